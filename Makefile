@@ -1,0 +1,49 @@
+# Two set-up commands: `make demo` runs the main job, `make test` runs the tests.
+# Each creates .venv and installs what it needs.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo demo-sim test lint typecheck diagrams bench soak clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch 2.13.0 CPU is on this machine's disk; installing it first keeps pip from fetching a CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q nixl-cu12==1.5.1
+	# The nixl meta package would also pull nixl-cu13; without deps it just provides `nixl._api`.
+	$(BIN)/pip install -q --no-deps nixl==1.5.1
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/kvfsm demo
+
+demo-sim: $(STAMP)
+	$(BIN)/kvfsm demo --fabric sim
+
+lint: $(STAMP)
+	$(BIN)/ruff check kvfsm tests benchmarks
+	$(BIN)/ruff format --check kvfsm tests benchmarks
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+
+diagrams: $(STAMP)
+	$(BIN)/kvfsm diagrams
+
+test: $(STAMP)
+	$(BIN)/kvfsm diagrams --check
+	CI=$${CI:-true} $(BIN)/pytest -q tests
+
+soak: $(STAMP)
+	HYPOTHESIS_PROFILE=soak $(BIN)/pytest -q tests/stateful -p no:cacheprovider
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/control_plane.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,509 @@
+"""A deterministic, seeded, virtual-time simulation of the `Fabric` protocol.
+
+A `SimNetwork` holds agents (`SimFabric`) and a virtual clock. Transfers copy real bytes between
+registered numpy buffers. Nothing happens on its own: future events (delayed transfer
+completions, notification deliveries) wait in a heap ordered by (time, sequence number) and are
+processed only inside `SimNetwork.advance_to` (and its helpers `advance`, `run_until_idle`), in
+that order, so the same seed and the same calls always give the same outcome.
+
+NIXL behaviours modelled on purpose: metadata is a snapshot (memory registered after
+`get_agent_metadata` is invisible to peers until they load fresh metadata); a transfer's
+notification arrives strictly after the initiator could see ``"DONE"``; a released handle that
+had completed still answers ``"DONE"``; a silent peer leaves transfers in ``"PROC"`` forever.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Literal
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from kvfsm.fabric._protocol import (
+    DescArray,
+    DlistHandle,
+    FabricError,
+    MemoryHandle,
+    NotFoundError,
+    RemoteDisconnectedError,
+    RepostError,
+    XferHandle,
+    XferOp,
+    XferState,
+)
+from kvfsm.fabric._sim_faults import MIN_DELAYED_POST, SimFaults, _FaultyClock, _Notif
+
+__all__ = ["SimFabric", "SimNetwork"]
+
+_NETWORK_IDS = itertools.count(1)  # tells metadata of different networks apart
+_META_KIND = "kvfsm-sim/1"
+_I64 = npt.NDArray[np.int64]
+
+
+class _Meta(msgspec.Struct, frozen=True):
+    kind: str
+    net: int
+    name: str
+    gen: int  # incarnation: a revived agent is a new one
+    regions: list[tuple[int, int, int]]  # (memory handle, address, length) at export time
+
+
+@dataclass(slots=True)
+class _Region:
+    buf: npt.NDArray[np.uint8]
+    addr: int
+    length: int
+
+
+@dataclass(slots=True)
+class _Dlist:
+    peer: str | None  # None: local memory
+    gen: int  # incarnation owning the memory
+    region: _I64  # per row: memory handle, offset inside it, length
+    offset: _I64
+    length: _I64
+
+
+@dataclass(slots=True)
+class _Xfer:
+    op: XferOp
+    peer: str
+    gen: int  # target incarnation
+    local_region: _I64  # per paired row
+    local_offset: _I64
+    remote_region: _I64
+    remote_offset: _I64
+    length: _I64
+    notif: bytes
+    state: Literal["NEW", "PROC", "DONE", "ERR"] = "NEW"
+    post: int = 0  # bumped by every post so that a stale completion event is ignored
+
+
+@dataclass(slots=True)
+class _Completion:
+    gen: int  # initiator incarnation
+    handle: XferHandle
+    post: int
+    fail_rows: int | None  # None: succeed; k: copy k rows then end "ERR"
+
+
+def _resolve(descs: object, regions: dict[int, tuple[int, int]], owner: str) -> tuple[_I64, _I64]:
+    """Map descriptor rows to (memory handle, offset); rows outside every region are an error."""
+    if not (isinstance(descs, np.ndarray) and descs.ndim == 2 and descs.shape[1] == 3):
+        raise FabricError("descriptors must be an int64 array of shape (n, 3)")
+    if descs.dtype != np.int64:
+        raise FabricError(f"descriptors must be int64, got {descs.dtype}")
+    addr, length, dev = descs[:, 0], descs[:, 1], descs[:, 2]
+    region = np.full(len(descs), -1, dtype=np.int64)
+    offset = np.zeros(len(descs), dtype=np.int64)
+    for handle, (base, size) in sorted(regions.items()):
+        # `length <= base + size - addr` instead of `addr + length <= end`: no int64 overflow.
+        inside = (region < 0) & (dev == 0) & (addr >= base) & (addr <= base + size)
+        inside &= (length >= 0) & (length <= base + size - addr)
+        region[inside] = handle
+        offset[inside] = addr[inside] - base
+    bad = np.flatnonzero(region < 0)
+    if bad.size:
+        i = int(bad[0])
+        row = tuple(int(v) for v in descs[i])
+        raise FabricError(
+            f"descriptor row {i} (addr, len, dev)={row} is not inside memory registered by {owner}"
+        )
+    return region, offset
+
+
+def _indices(idx: object, n: int, what: str) -> _I64:
+    if not (isinstance(idx, np.ndarray) and idx.ndim == 1 and idx.dtype.kind in "iu"):
+        raise FabricError(f"{what} must be a 1-D integer array")
+    out = idx.astype(np.int64)
+    bad = np.flatnonzero((out < 0) | (out >= n))
+    if bad.size:
+        raise FabricError(f"{what}[{int(bad[0])}]={int(out[bad[0]])} is out of range for {n} rows")
+    return out
+
+
+class SimFabric:
+    """One simulated agent; implements `Fabric`. Create it with `SimNetwork.agent`.
+
+    Besides the protocol: `alive`, `in_flight()` and `open_resources()` for tests.
+    After `close()` or `SimNetwork.kill`, every protocol method but `close` raises `FabricError`.
+    """
+
+    def __init__(self, network: SimNetwork, name: str, gen: int) -> None:
+        self._net = network
+        self._name = name
+        self._gen = gen
+        self._down: str | None = None  # None while usable, else "dead" or "closed"
+        self._silent = False  # killed without reset and not revived: a black hole
+        self._regions: dict[MemoryHandle, _Region] = {}
+        self._remotes: dict[str, _Meta] = {}
+        self._dlists: dict[DlistHandle, _Dlist] = {}
+        self._xfers: dict[XferHandle, _Xfer] = {}
+        self._released_done: set[XferHandle] = set()
+        self._inbox: list[tuple[str, bytes]] = []
+
+    @property
+    def agent_name(self) -> str:
+        """This agent's name, as peers see it in notifications."""
+        return self._name
+
+    @property
+    def alive(self) -> bool:
+        """False once the agent was closed or killed."""
+        return self._down is None
+
+    @property
+    def _refuses(self) -> bool:
+        # A peer whose host resets connections: operations towards it fail fast.
+        return self._down is not None and not self._silent
+
+    def _usable(self) -> None:
+        if self._down is not None:
+            raise FabricError(f"agent {self._name!r} is {self._down}")
+
+    def _xfer(self, handle: XferHandle) -> _Xfer:
+        x = self._xfers.get(handle)
+        if x is None:
+            raise NotFoundError(f"unknown transfer handle {handle} on agent {self._name!r}")
+        return x
+
+    def _remote(self, agent: str) -> _Meta:
+        meta = self._remotes.get(agent)
+        if meta is None:
+            raise NotFoundError(f"remote agent {agent!r} is not loaded on {self._name!r}")
+        return meta
+
+    def register_memory(self, buffer: npt.NDArray[np.uint8]) -> MemoryHandle:
+        """Register a contiguous, writeable, non-empty 1-D ``uint8`` array."""
+        self._usable()
+        if not isinstance(buffer, np.ndarray) or buffer.dtype != np.uint8:
+            raise TypeError("register_memory needs a numpy uint8 array")
+        if buffer.ndim != 1 or not buffer.flags.c_contiguous:
+            raise ValueError("register_memory needs a contiguous 1-D array")
+        if buffer.size == 0 or not buffer.flags.writeable:
+            raise ValueError("register_memory needs a non-empty, writeable array")
+        handle = self._net._next_id()
+        self._regions[handle] = _Region(buffer, int(buffer.ctypes.data), int(buffer.size))
+        return handle
+
+    def deregister_memory(self, handle: MemoryHandle) -> None:
+        """Deregister memory; transfers still touching it end ``"ERR"`` when they complete."""
+        self._usable()
+        if self._regions.pop(handle, None) is None:
+            raise NotFoundError(f"unknown memory handle {handle} on agent {self._name!r}")
+
+    def get_agent_metadata(self) -> bytes:
+        """JSON snapshot: name, incarnation and the memory registered so far."""
+        self._usable()
+        regions = [(h, r.addr, r.length) for h, r in sorted(self._regions.items())]
+        meta = _Meta(_META_KIND, self._net._id, self._name, self._gen, regions)
+        return msgspec.json.encode(meta)
+
+    def add_remote_agent(self, metadata: bytes) -> str:
+        """Load (or reload) a peer's metadata; returns its name. Malformed: `FabricError`."""
+        self._usable()
+        try:
+            meta = msgspec.json.decode(metadata, type=_Meta)
+        except (msgspec.DecodeError, TypeError) as e:
+            raise FabricError(f"malformed agent metadata: {e}") from e
+        peer = self._net._incarnations.get(meta.gen)
+        if meta.kind != _META_KIND or meta.net != self._net._id or peer is None:
+            raise FabricError("agent metadata is not from this SimNetwork")
+        if peer.agent_name != meta.name:
+            raise FabricError(f"agent metadata names {meta.name!r}, inconsistently")
+        self._remotes[meta.name] = meta
+        return meta.name
+
+    def remove_remote_agent(self, agent: str) -> None:
+        """Forget a peer, its prepared lists and its transfers (cancelling those in flight)."""
+        self._usable()
+        self._remote(agent)
+        del self._remotes[agent]
+        for h in [h for h, d in self._dlists.items() if d.peer == agent]:
+            del self._dlists[h]
+        for h in [h for h, x in self._xfers.items() if x.peer == agent]:
+            self.release_xfer_handle(h)
+
+    def prep_xfer_dlist(self, agent: str | None, descs: DescArray) -> DlistHandle:
+        """Prepare rows of local (``agent=None``) or loaded remote memory; checks every row."""
+        self._usable()
+        if agent is None:
+            gen, owner = self._gen, f"{self._name!r}"
+            regions = {h: (r.addr, r.length) for h, r in self._regions.items()}
+        else:
+            meta = self._remote(agent)
+            gen, owner = meta.gen, f"{agent!r} (per its loaded metadata)"
+            regions = {h: (a, n) for h, a, n in meta.regions}
+        region, offset = _resolve(descs, regions, owner)
+        handle = self._net._next_id()
+        self._dlists[handle] = _Dlist(agent, gen, region, offset, descs[:, 1].copy())
+        return handle
+
+    def release_dlist_handle(self, handle: DlistHandle) -> None:
+        """Release a prepared list; transfers made from it stay usable."""
+        self._usable()
+        if self._dlists.pop(handle, None) is None:
+            raise NotFoundError(f"unknown dlist handle {handle} on agent {self._name!r}")
+
+    def make_prepped_xfer(
+        self,
+        op: XferOp,
+        local: DlistHandle,
+        local_idx: npt.NDArray[np.int64],
+        remote: DlistHandle,
+        remote_idx: npt.NDArray[np.int64],
+        notif: bytes,
+    ) -> XferHandle:
+        """Pair ``local[local_idx[i]]`` with ``remote[remote_idx[i]]``; lengths must match."""
+        self._usable()
+        if op not in ("WRITE", "READ"):
+            raise FabricError(f"unknown transfer op {op!r}")
+        if not isinstance(notif, bytes):
+            raise FabricError("notif must be bytes (b'' for none)")
+        ld, rd = self._dlists.get(local), self._dlists.get(remote)
+        if ld is None or rd is None:
+            raise NotFoundError(f"unknown dlist handle {local if ld is None else remote}")
+        if ld.peer is not None or rd.peer is None:
+            raise FabricError("make_prepped_xfer needs a local dlist and a remote dlist")
+        li = _indices(local_idx, len(ld.region), "local_idx")
+        ri = _indices(remote_idx, len(rd.region), "remote_idx")
+        if len(li) != len(ri):
+            raise FabricError(f"local_idx has {len(li)} rows but remote_idx has {len(ri)}")
+        bad = np.flatnonzero(ld.length[li] != rd.length[ri])
+        if bad.size:
+            i = int(bad[0])
+            raise FabricError(
+                f"pair {i}: local row {int(li[i])} has {int(ld.length[li[i]])} bytes but "
+                f"remote row {int(ri[i])} has {int(rd.length[ri[i]])}"
+            )
+        handle = self._net._next_id()
+        self._xfers[handle] = _Xfer(
+            op, rd.peer, rd.gen, ld.region[li], ld.offset[li], rd.region[ri], rd.offset[ri],
+            ld.length[li], notif,
+        )  # fmt: skip
+        return handle
+
+    def transfer(self, handle: XferHandle) -> XferState:
+        """Post; ``"DONE"`` inside the call unless latency or a fault says otherwise."""
+        self._usable()
+        x = self._xfer(handle)
+        if x.state == "PROC":
+            raise RepostError(f"transfer {handle} is still in progress")
+        if self._net._incarnations[x.gen]._refuses:
+            raise RemoteDisconnectedError(f"remote agent {x.peer!r} disconnected")
+        return self._net._post(self, handle, x)
+
+    def check_xfer_state(self, handle: XferHandle) -> XferState:
+        """Report a posted transfer (the clock, not this call, makes progress)."""
+        self._usable()
+        if handle in self._released_done:
+            return "DONE"  # NIXL quirk: a released handle that had completed answers DONE
+        x = self._xfer(handle)
+        if x.state == "NEW":
+            raise FabricError(f"transfer {handle} was never posted")
+        if x.state != "ERR" and self._net._incarnations[x.gen]._refuses:
+            raise RemoteDisconnectedError(f"remote agent {x.peer!r} disconnected")
+        return x.state
+
+    def release_xfer_handle(self, handle: XferHandle) -> None:
+        """Release a transfer; one still in ``"PROC"`` is cancelled (no byte, no notification)."""
+        self._usable()
+        x = self._xfer(handle)
+        del self._xfers[handle]
+        if x.state == "PROC":
+            self._net._stats.xfers_cancelled += 1
+        elif x.state == "DONE":
+            self._released_done.add(handle)
+
+    def send_notif(self, agent: str, msg: bytes) -> None:
+        """Send `msg` to a loaded peer; it arrives after `SimFaults.notif_latency`."""
+        self._usable()
+        meta = self._remote(agent)
+        if not isinstance(msg, bytes):
+            raise FabricError("notification must be bytes")
+        target = self._net._incarnations[meta.gen]
+        if target._refuses:
+            raise RemoteDisconnectedError(f"remote agent {agent!r} disconnected")
+        self._net._send(self, target, msg)
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        """Drain the inbox: messages by sender, each list in arrival order."""
+        self._usable()
+        out: dict[str, list[bytes]] = {}
+        for sender, msg in self._inbox:
+            out.setdefault(sender, []).append(msg)
+        self._inbox.clear()
+        return out
+
+    def close(self) -> None:
+        """Release everything; peers see a reset connection. Idempotent, allowed when dead."""
+        if self._down is None:
+            self._net._take_down(self, "closed", silent=False)
+
+    def in_flight(self) -> int:
+        """Transfers posted and still ``"PROC"`` (not released)."""
+        return sum(x.state == "PROC" for x in self._xfers.values())
+
+    def open_resources(self) -> dict[str, int]:
+        """Counts of what this agent holds; all zero after `close()`."""
+        return {
+            "memory": len(self._regions),
+            "dlists": len(self._dlists),
+            "xfers": len(self._xfers),
+            "remote_agents": len(self._remotes),
+            "in_flight": self.in_flight(),
+        }
+
+    def _clear(self) -> None:
+        self._regions.clear()
+        self._remotes.clear()
+        self._dlists.clear()
+        self._xfers.clear()
+        self._released_done.clear()
+        self._inbox.clear()
+
+
+class SimNetwork(_FaultyClock):
+    """Agents, a virtual clock (seconds, from 0) and seeded faults; see the module docstring.
+
+    Clock, fault-injection and counter methods are inherited from `_FaultyClock`.
+    """
+
+    def __init__(self, seed: int = 0, faults: SimFaults | None = None) -> None:
+        super().__init__(seed, faults)
+        self._id = next(_NETWORK_IDS)
+        self._ids = itertools.count(1)  # handles are unique network-wide: misuse is NotFound
+        self._live: dict[str, SimFabric] = {}
+        self._incarnations: dict[int, SimFabric] = {}
+
+    def agent(self, name: str) -> SimFabric:
+        """Create an agent; `ValueError` if an agent of that name is alive."""
+        if not isinstance(name, str) or not name:
+            raise ValueError("agent name must be a non-empty string")
+        if name in self._live:
+            raise ValueError(f"agent {name!r} already exists")
+        for old in self._incarnations.values():
+            if old.agent_name == name:
+                old._silent = False  # a new process answers on its address: connections reset
+        fabric = SimFabric(self, name, self._next_id())
+        self._incarnations[fabric._gen] = fabric
+        self._live[name] = fabric
+        return fabric
+
+    def revive(self, name: str) -> SimFabric:
+        """A fresh agent (new memory, new metadata) for a dead or closed name.
+
+        Peers must load its new metadata; what they prepared against the old incarnation
+        raises `RemoteDisconnectedError` on use, as do transfers stuck on a silent death.
+        """
+        if name in self._live or not self._is_known(name):
+            raise ValueError(f"no dead agent named {name!r} to revive")
+        return self.agent(name)
+
+    def kill(self, name: str, reset: bool) -> None:
+        """Kill a live agent. ``reset=True``: peers' transfers to it end ``"ERR"`` and later
+        operations towards it raise `RemoteDisconnectedError`. ``reset=False``: it becomes a
+        black hole; transfers to it stay ``"PROC"``, notifications to or from it vanish."""
+        fabric = self._live.get(name)
+        if fabric is None:
+            raise ValueError(f"no live agent named {name!r}")
+        self._take_down(fabric, "dead", silent=not reset)
+
+    def _is_live(self, name: str) -> bool:
+        return name in self._live
+
+    def _is_known(self, name: str) -> bool:
+        return any(f.agent_name == name for f in self._incarnations.values())
+
+    def _on_event(self, event: object) -> None:
+        if isinstance(event, _Notif):
+            self._deliver(event)
+        elif isinstance(event, _Completion):
+            self._on_completion(event)
+
+    def _next_id(self) -> int:
+        return next(self._ids)
+
+    def _take_down(self, fabric: SimFabric, why: str, silent: bool) -> None:
+        self._stats.xfers_cancelled += fabric.in_flight()
+        fabric._clear()
+        fabric._down, fabric._silent = why, silent
+        del self._live[fabric.agent_name]
+        if not silent:
+            for other in self._live.values():
+                for x in other._xfers.values():
+                    if x.gen == fabric._gen and x.state == "PROC":
+                        x.state = "ERR"
+                        self._stats.xfers_err += 1
+
+    def _post(self, fabric: SimFabric, handle: XferHandle, x: _Xfer) -> XferState:
+        self._stats.posts += 1
+        outcome = self._dice.post_outcome(fabric.agent_name)
+        if outcome == "fail_post":
+            self._stats.posts_failed += 1
+            raise FabricError(f"posting transfer {handle} failed (injected fault)")
+        x.state, x.post = "PROC", x.post + 1
+        if outcome == "stuck" or self._incarnations[x.gen]._silent:
+            return "PROC"  # no completion event: PROC until released
+        fail_rows = self._dice.partial_rows(len(x.length)) if outcome == "err" else None
+        latency = self._faults.transfer_latency
+        if outcome == "delay":
+            latency = max(latency, MIN_DELAYED_POST)
+        if latency == 0:
+            self._complete(fabric, x, fail_rows)
+            return x.state
+        self._schedule(self._now + latency, _Completion(fabric._gen, handle, x.post, fail_rows))
+        return "PROC"
+
+    def _on_completion(self, ev: _Completion) -> None:
+        fabric = self._incarnations[ev.gen]
+        x = fabric._xfers.get(ev.handle)  # gone if released (cancelled) or the agent is down
+        if x is not None and x.post == ev.post and x.state == "PROC":
+            self._complete(fabric, x, ev.fail_rows)
+
+    def _complete(self, fabric: SimFabric, x: _Xfer, fail_rows: int | None) -> None:
+        target = self._incarnations[x.gen]
+        if target._silent:
+            return  # a black hole never answers
+        rows = len(x.length) if fail_rows is None else fail_rows
+        if target._refuses or not self._copy(fabric, target, x, rows) or fail_rows is not None:
+            x.state = "ERR"
+            self._stats.xfers_err += 1
+            return
+        x.state = "DONE"
+        self._stats.xfers_done += 1
+        self._stats.bytes_moved += int(x.length.sum())
+        if x.notif:
+            self._send(fabric, target, x.notif)  # scheduled with a positive latency
+
+    def _copy(self, fabric: SimFabric, target: SimFabric, x: _Xfer, rows: int) -> bool:
+        """Copy the first `rows` pairs; False (nothing copied) if some memory is gone."""
+        local = [fabric._regions.get(int(h)) for h in x.local_region[:rows]]
+        remote = [target._regions.get(int(h)) for h in x.remote_region[:rows]]
+        if any(r is None for r in local) or any(r is None for r in remote):
+            return False
+        for i, (lr, rr) in enumerate(zip(local, remote, strict=True)):
+            assert lr is not None and rr is not None  # checked above; narrows for mypy
+            n, lo, ro = int(x.length[i]), int(x.local_offset[i]), int(x.remote_offset[i])
+            if x.op == "WRITE":
+                rr.buf[ro : ro + n] = lr.buf[lo : lo + n]
+            else:
+                lr.buf[lo : lo + n] = rr.buf[ro : ro + n]
+        return True
+
+    def _send(self, sender: SimFabric, receiver: SimFabric, msg: bytes) -> None:
+        notif = _Notif(sender.agent_name, sender._gen, receiver._gen, msg)
+        self._send_notif(notif, receiver.agent_name, reachable=receiver._down is None)
+
+    def _deliver(self, notif: _Notif) -> None:
+        receiver = self._incarnations[notif.receiver_gen]
+        if receiver._down is not None or self._incarnations[notif.sender_gen]._silent:
+            self._stats.notifs_dropped += 1  # to a dead agent, or from a black hole
+        elif receiver.agent_name in self._held:
+            self._held[receiver.agent_name].append(notif)
+        else:
+            receiver._inbox.append((notif.sender, notif.msg))
+            self._stats.notifs_delivered += 1

@@ -1,0 +1,331 @@
+"""Faults, counters, the virtual clock and the event heap of the simulated fabric.
+
+`_FaultyClock` is the base of `kvfsm.fabric._sim.SimNetwork`: it owns the clock, the heap of
+future events keyed by (time, sequence number), the fate of every notification (latency, drop,
+duplicate, delay, reorder, hold) and the scripted one-shot injections. Everything random goes
+through one `_Dice`, which owns the network's only `random.Random`. A knob set to 0 draws
+nothing, so turning one fault on does not change the draws other faults see elsewhere.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, replace
+from typing import Literal
+
+__all__ = ["POST_OUTCOMES", "PostOutcome", "SimFaults", "SimStats"]
+
+PostOutcome = Literal["fail_post", "err", "stuck", "delay"]
+"""A scripted outcome for one `transfer()` call (see `SimNetwork.inject_next_post`)."""
+
+POST_OUTCOMES: tuple[PostOutcome, ...] = ("fail_post", "err", "stuck", "delay")
+
+_PROBABILITIES = (
+    "drop_notif",
+    "duplicate_notif",
+    "delay_notif",
+    "reorder_notif",
+    "fail_post",
+    "xfer_err",
+    "xfer_stuck",
+)
+
+MIN_DELAYED_POST = 1e-3
+"""A post scripted as ``"delay"`` completes after ``max(transfer_latency, MIN_DELAYED_POST)``."""
+
+
+@dataclass(frozen=True, slots=True)
+class SimFaults:
+    """Probabilistic faults and latencies of a `SimNetwork`; everything defaults to off.
+
+    Probabilities are per event: per notification sent (``*_notif``) or per `transfer()` call
+    (``fail_post``, ``xfer_err``, ``xfer_stuck``; checked in that order, the first hit wins).
+    Latencies are in virtual seconds.
+    """
+
+    drop_notif: float = 0.0
+    """A notification is lost."""
+    duplicate_notif: float = 0.0
+    """A notification is delivered twice, back to back."""
+    delay_notif: float = 0.0
+    """A notification arrives up to ``max_notif_delay`` (uniform) later than ``notif_latency``."""
+    reorder_notif: float = 0.0
+    """A notification overtakes the latest earlier undelivered one to the same receiver."""
+    fail_post: float = 0.0
+    """`transfer()` raises `FabricError`; the handle keeps its previous state."""
+    xfer_err: float = 0.0
+    """The transfer ends ``"ERR"`` after copying a random prefix of its rows; no notification."""
+    xfer_stuck: float = 0.0
+    """The transfer stays ``"PROC"`` forever (until released)."""
+    notif_latency: float = 1e-4
+    """Delivery delay of every notification; positive, so a transfer's notification always
+    arrives strictly after the initiator could see ``"DONE"``."""
+    transfer_latency: float = 0.0
+    """0: transfers complete inside `transfer()`; otherwise they complete this much later."""
+    max_notif_delay: float = 1e-3
+    """Upper bound of the extra delay drawn for ``delay_notif``."""
+
+    def __post_init__(self) -> None:
+        for name in _PROBABILITIES:
+            p = getattr(self, name)
+            if not (isinstance(p, int | float) and 0.0 <= p <= 1.0):
+                raise ValueError(f"SimFaults.{name} must be a probability in [0, 1], got {p!r}")
+        if not (math.isfinite(self.notif_latency) and self.notif_latency > 0):
+            raise ValueError(f"SimFaults.notif_latency must be > 0, got {self.notif_latency!r}")
+        for name in ("transfer_latency", "max_notif_delay"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"SimFaults.{name} must be finite and >= 0, got {v!r}")
+
+
+@dataclass(slots=True)
+class SimStats:
+    """Counters of a `SimNetwork`, for assertions and invariants.
+
+    Notifications balance: ``notifs_sent + notifs_duplicated == notifs_delivered +
+    notifs_dropped + network.pending_notifs()``. A notification that vanishes because its
+    receiver (or its silently killed sender) is dead counts as dropped. ``bytes_moved`` counts
+    the bytes of transfers that ended ``"DONE"`` only; ``posts`` includes failed posts.
+    """
+
+    notifs_sent: int = 0
+    notifs_delivered: int = 0
+    notifs_dropped: int = 0
+    notifs_duplicated: int = 0
+    posts: int = 0
+    posts_failed: int = 0
+    xfers_done: int = 0
+    xfers_err: int = 0
+    xfers_cancelled: int = 0
+    bytes_moved: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _NotifPlan:
+    """What happens to one notification: dropped, duplicated, delayed, reordered."""
+
+    drop: bool = False
+    duplicate: bool = False
+    extra_delay: float = 0.0
+    reorder: bool = False
+
+
+_NotifAction = Literal["drop", "duplicate"] | float  # a float: extra delay in seconds
+
+
+class _Dice:
+    """The network's seeded randomness plus its one-shot scripted injections."""
+
+    def __init__(self, seed: int, faults: SimFaults) -> None:
+        self._rng = random.Random(seed)
+        self._faults = faults
+        self._posts: dict[str, deque[PostOutcome]] = {}
+        self._notifs: dict[str, deque[_NotifAction]] = {}
+
+    def _hit(self, p: float) -> bool:
+        # No draw at p == 0: enabling one knob leaves the other knobs' draws unchanged.
+        return p > 0 and self._rng.random() < p
+
+    def script_post(self, agent: str, outcome: PostOutcome) -> None:
+        """Queue an outcome for `agent`'s next `transfer()` (FIFO)."""
+        self._posts.setdefault(agent, deque()).append(outcome)
+
+    def script_notif(self, receiver: str, action: _NotifAction) -> None:
+        """Queue an action for the next notification sent to `receiver` (FIFO)."""
+        self._notifs.setdefault(receiver, deque()).append(action)
+
+    def post_outcome(self, agent: str) -> Literal["ok", "fail_post", "err", "stuck", "delay"]:
+        """Outcome of one `transfer()` by `agent`: scripted if queued, else drawn."""
+        queued = self._posts.get(agent)
+        if queued:
+            return queued.popleft()
+        f = self._faults
+        if self._hit(f.fail_post):
+            return "fail_post"
+        if self._hit(f.xfer_err):
+            return "err"
+        if self._hit(f.xfer_stuck):
+            return "stuck"
+        return "ok"
+
+    def partial_rows(self, n: int) -> int:
+        """How many rows (of `n`) a failing transfer copies before it fails: fewer than all."""
+        return self._rng.randrange(n) if n > 0 else 0
+
+    def notif_plan(self, receiver: str) -> _NotifPlan:
+        """Fate of one notification to `receiver`: scripted if queued, else drawn."""
+        queued = self._notifs.get(receiver)
+        if queued:
+            action = queued.popleft()
+            if action == "drop":
+                return _NotifPlan(drop=True)
+            if action == "duplicate":
+                return _NotifPlan(duplicate=True)
+            return _NotifPlan(extra_delay=float(action))
+        f = self._faults
+        if self._hit(f.drop_notif):
+            return _NotifPlan(drop=True)
+        duplicate = self._hit(f.duplicate_notif)
+        extra = self._rng.uniform(0.0, f.max_notif_delay) if self._hit(f.delay_notif) else 0.0
+        return _NotifPlan(
+            duplicate=duplicate, extra_delay=extra, reorder=self._hit(f.reorder_notif)
+        )
+
+
+@dataclass(slots=True)
+class _Notif:
+    """A notification on its way; faults may swap payloads between two of them."""
+
+    sender: str
+    sender_gen: int
+    receiver_gen: int
+    msg: bytes
+
+
+class _FaultyClock:
+    """Virtual clock, event heap, notification faults and scripted injections of a network."""
+
+    def __init__(self, seed: int, faults: SimFaults | None) -> None:
+        self._faults = faults if faults is not None else SimFaults()
+        self._dice = _Dice(seed, self._faults)
+        self._now = 0.0
+        self._stats = SimStats()
+        self._seq = itertools.count()
+        self._events: list[tuple[float, int, object]] = []
+        self._held: dict[str, list[_Notif]] = {}
+
+    # Hooks for the network.
+    def _on_event(self, event: object) -> None:
+        raise NotImplementedError
+
+    def _deliver(self, notif: _Notif) -> None:
+        raise NotImplementedError
+
+    def _is_live(self, name: str) -> bool:
+        raise NotImplementedError
+
+    def _is_known(self, name: str) -> bool:
+        raise NotImplementedError
+
+    @property
+    def now(self) -> float:
+        """The virtual clock, in seconds (starts at 0)."""
+        return self._now
+
+    @property
+    def faults(self) -> SimFaults:
+        """The probabilistic fault configuration."""
+        return self._faults
+
+    @property
+    def stats(self) -> SimStats:
+        """A snapshot of the counters."""
+        return replace(self._stats)
+
+    def advance_to(self, t: float) -> None:
+        """Move the clock to `t`, processing every event due by then in (time, seq) order."""
+        if not math.isfinite(t) or t < self._now:
+            raise ValueError(f"cannot move the clock from {self._now} to {t}")
+        while self._events and self._events[0][0] <= t:
+            when, _, event = heapq.heappop(self._events)
+            self._now = when  # follow-up events are scheduled from the event's own time
+            self._on_event(event)
+        self._now = t
+
+    def advance(self, dt: float) -> None:
+        """Move the clock forward by `dt` seconds."""
+        self.advance_to(self._now + dt)
+
+    def next_event_time(self) -> float | None:
+        """When the next scheduled event is due, or None."""
+        return self._events[0][0] if self._events else None
+
+    def run_until_idle(self) -> float:
+        """Advance until no event is scheduled (stuck transfers schedule none); returns now."""
+        while self._events:
+            self.advance_to(self._events[0][0])
+        return self._now
+
+    def pending_notifs(self) -> int:
+        """Notifications scheduled or held, not yet delivered or dropped."""
+        held = sum(len(v) for v in self._held.values())
+        return held + sum(isinstance(e, _Notif) for _, _, e in self._events)
+
+    def inject_next_post(self, agent: str, outcome: PostOutcome) -> None:
+        """Script the outcome of `agent`'s next `transfer()` (queued FIFO).
+
+        ``"fail_post"``: raises `FabricError`; ``"err"``: ends ``"ERR"`` with a random prefix of
+        rows copied and no notification; ``"stuck"``: ``"PROC"`` until released; ``"delay"``:
+        completes normally after ``max(transfer_latency, 1e-3)``.
+        """
+        if not self._is_live(agent):
+            raise ValueError(f"no live agent named {agent!r}")
+        if outcome not in POST_OUTCOMES:
+            raise ValueError(f"unknown post outcome {outcome!r}")
+        self._dice.script_post(agent, outcome)
+
+    def drop_next_notif(self, receiver: str) -> None:
+        """Lose the next notification sent to `receiver` (scripted actions queue FIFO)."""
+        self._dice.script_notif(self._known(receiver), "drop")
+
+    def duplicate_next_notif(self, receiver: str) -> None:
+        """Deliver the next notification sent to `receiver` twice."""
+        self._dice.script_notif(self._known(receiver), "duplicate")
+
+    def delay_next_notif(self, receiver: str, seconds: float) -> None:
+        """Delay the next notification sent to `receiver` by `seconds` on top of the latency."""
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"delay must be finite and >= 0, got {seconds!r}")
+        self._dice.script_notif(self._known(receiver), float(seconds))
+
+    def hold_notifs(self, receiver: str) -> None:
+        """Queue the notifications reaching `receiver` instead of delivering them."""
+        self._held.setdefault(self._known(receiver), [])
+
+    def release_held(self, receiver: str, reverse: bool = False) -> int:
+        """Stop holding; deliver what was held now (reversed if asked). Returns how many."""
+        held = self._held.pop(receiver, [])
+        for n in reversed(held) if reverse else held:
+            self._deliver(n)
+        return len(held)
+
+    def _known(self, name: str) -> str:
+        if not self._is_known(name):
+            raise ValueError(f"no agent named {name!r}")
+        return name
+
+    def _schedule(self, when: float, event: object) -> None:
+        heapq.heappush(self._events, (when, next(self._seq), event))
+
+    def _send_notif(self, notif: _Notif, receiver: str, reachable: bool) -> None:
+        """Send one notification: count it, decide its fate, schedule its delivery(ies)."""
+        self._stats.notifs_sent += 1
+        plan = self._dice.notif_plan(receiver)
+        if not reachable or plan.drop:
+            self._stats.notifs_dropped += 1
+            return
+        when = self._now + self._faults.notif_latency + plan.extra_delay
+        slot_time, carrier = when, notif  # where our payload ends up after any reordering
+        if plan.reorder:
+            # Overtake the latest pending notification to the same receiver due before us by
+            # swapping payloads: both due times stay in the future, hence after any DONE.
+            earlier = [
+                (t, s, e)
+                for t, s, e in self._events
+                if isinstance(e, _Notif) and e.receiver_gen == notif.receiver_gen and t <= when
+            ]
+            if earlier:
+                slot_time, _, other = max(earlier, key=lambda item: (item[0], item[1]))
+                assert isinstance(other, _Notif)  # filtered above; narrows for mypy
+                carrier = other
+                notif.sender, carrier.sender = carrier.sender, notif.sender
+                notif.sender_gen, carrier.sender_gen = carrier.sender_gen, notif.sender_gen
+                notif.msg, carrier.msg = carrier.msg, notif.msg
+        self._schedule(when, notif)
+        if plan.duplicate:
+            self._stats.notifs_duplicated += 1
+            self._schedule(slot_time, replace(carrier))  # the copy follows the original
