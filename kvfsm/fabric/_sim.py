@@ -34,7 +34,7 @@ from kvfsm.fabric._protocol import (
     XferOp,
     XferState,
 )
-from kvfsm.fabric._sim_faults import MIN_DELAYED_POST, SimFaults, _FaultyClock, _Notif
+from kvfsm.fabric._sim_faults import SimFaults, _Completion, _FaultyClock, _Notif
 
 __all__ = ["SimFabric", "SimNetwork"]
 
@@ -80,14 +80,6 @@ class _Xfer:
     notif: bytes
     state: Literal["NEW", "PROC", "DONE", "ERR"] = "NEW"
     post: int = 0  # bumped by every post so that a stale completion event is ignored
-
-
-@dataclass(slots=True)
-class _Completion:
-    gen: int  # initiator incarnation
-    handle: XferHandle
-    post: int
-    fail_rows: int | None  # None: succeed; k: copy k rows then end "ERR"
 
 
 def _resolve(descs: object, regions: dict[int, tuple[int, int]], owner: str) -> tuple[_I64, _I64]:
@@ -137,7 +129,8 @@ class SimFabric:
         self._name = name
         self._gen = gen
         self._down: str | None = None  # None while usable, else "dead" or "closed"
-        self._silent = False  # killed without reset and not revived: a black hole
+        self._cut = False  # killed with reset=False: its link is cut
+        self._superseded = False  # revived: a new process answers on its address
         self._regions: dict[MemoryHandle, _Region] = {}
         self._remotes: dict[str, _Meta] = {}
         self._dlists: dict[DlistHandle, _Dlist] = {}
@@ -154,6 +147,11 @@ class SimFabric:
     def alive(self) -> bool:
         """False once the agent was closed or killed."""
         return self._down is None
+
+    @property
+    def _silent(self) -> bool:
+        # A black hole: transfers to it hang, notifications to it vanish, nobody is told.
+        return self._cut and not self._superseded
 
     @property
     def _refuses(self) -> bool:
@@ -228,7 +226,11 @@ class SimFabric:
             self.release_xfer_handle(h)
 
     def prep_xfer_dlist(self, agent: str | None, descs: DescArray) -> DlistHandle:
-        """Prepare rows of local (``agent=None``) or loaded remote memory; checks every row."""
+        """Prepare rows of local (``agent=None``) or loaded remote memory.
+
+        Every row must lie inside one registered region, with device id 0 (DRAM); remote rows
+        are checked against the memory listed in the peer's loaded metadata.
+        """
         self._usable()
         if agent is None:
             gen, owner = self._gen, f"{self._name!r}"
@@ -387,7 +389,7 @@ class SimNetwork(_FaultyClock):
             raise ValueError(f"agent {name!r} already exists")
         for old in self._incarnations.values():
             if old.agent_name == name:
-                old._silent = False  # a new process answers on its address: connections reset
+                old._superseded = True  # connections to the old process now reset
         fabric = SimFabric(self, name, self._next_id())
         self._incarnations[fabric._gen] = fabric
         self._live[name] = fabric
@@ -418,19 +420,13 @@ class SimNetwork(_FaultyClock):
     def _is_known(self, name: str) -> bool:
         return any(f.agent_name == name for f in self._incarnations.values())
 
-    def _on_event(self, event: object) -> None:
-        if isinstance(event, _Notif):
-            self._deliver(event)
-        elif isinstance(event, _Completion):
-            self._on_completion(event)
-
     def _next_id(self) -> int:
         return next(self._ids)
 
     def _take_down(self, fabric: SimFabric, why: str, silent: bool) -> None:
         self._stats.xfers_cancelled += fabric.in_flight()
         fabric._clear()
-        fabric._down, fabric._silent = why, silent
+        fabric._down, fabric._cut = why, silent
         del self._live[fabric.agent_name]
         if not silent:
             for other in self._live.values():
@@ -440,18 +436,10 @@ class SimNetwork(_FaultyClock):
                         self._stats.xfers_err += 1
 
     def _post(self, fabric: SimFabric, handle: XferHandle, x: _Xfer) -> XferState:
-        self._stats.posts += 1
-        outcome = self._dice.post_outcome(fabric.agent_name)
-        if outcome == "fail_post":
-            self._stats.posts_failed += 1
-            raise FabricError(f"posting transfer {handle} failed (injected fault)")
+        latency, fail_rows = self._plan_post(fabric.agent_name, len(x.length))  # may raise
         x.state, x.post = "PROC", x.post + 1
-        if outcome == "stuck" or self._incarnations[x.gen]._silent:
+        if latency is None or self._incarnations[x.gen]._silent:
             return "PROC"  # no completion event: PROC until released
-        fail_rows = self._dice.partial_rows(len(x.length)) if outcome == "err" else None
-        latency = self._faults.transfer_latency
-        if outcome == "delay":
-            latency = max(latency, MIN_DELAYED_POST)
         if latency == 0:
             self._complete(fabric, x, fail_rows)
             return x.state
@@ -500,8 +488,8 @@ class SimNetwork(_FaultyClock):
 
     def _deliver(self, notif: _Notif) -> None:
         receiver = self._incarnations[notif.receiver_gen]
-        if receiver._down is not None or self._incarnations[notif.sender_gen]._silent:
-            self._stats.notifs_dropped += 1  # to a dead agent, or from a black hole
+        if receiver._down is not None or self._incarnations[notif.sender_gen]._cut:
+            self._stats.notifs_dropped += 1  # to a dead agent, or from behind a cut link
         elif receiver.agent_name in self._held:
             self._held[receiver.agent_name].append(notif)
         else:

@@ -17,6 +17,8 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from kvfsm.fabric._protocol import FabricError
+
 __all__ = ["POST_OUTCOMES", "PostOutcome", "SimFaults", "SimStats"]
 
 PostOutcome = Literal["fail_post", "err", "stuck", "delay"]
@@ -40,7 +42,7 @@ MIN_DELAYED_POST = 1e-3
 
 @dataclass(frozen=True, slots=True)
 class SimFaults:
-    """Probabilistic faults and latencies of a `SimNetwork`; everything defaults to off.
+    """Probabilistic faults and latencies of a `SimNetwork`; every fault defaults to off.
 
     Probabilities are per event: per notification sent (``*_notif``) or per `transfer()` call
     (``fail_post``, ``xfer_err``, ``xfer_stuck``; checked in that order, the first hit wins).
@@ -50,7 +52,7 @@ class SimFaults:
     drop_notif: float = 0.0
     """A notification is lost."""
     duplicate_notif: float = 0.0
-    """A notification is delivered twice, back to back."""
+    """A notification is delivered twice (the copy right after the original)."""
     delay_notif: float = 0.0
     """A notification arrives up to ``max_notif_delay`` (uniform) later than ``notif_latency``."""
     reorder_notif: float = 0.0
@@ -186,6 +188,16 @@ class _Notif:
     msg: bytes
 
 
+@dataclass(slots=True)
+class _Completion:
+    """A transfer due to complete (or fail) at its scheduled time."""
+
+    gen: int  # initiator incarnation
+    handle: int
+    post: int  # the post it belongs to: a stale one (handle re-posted or released) is ignored
+    fail_rows: int | None  # None: succeed; k: copy k rows then end "ERR"
+
+
 class _FaultyClock:
     """Virtual clock, event heap, notification faults and scripted injections of a network."""
 
@@ -199,7 +211,7 @@ class _FaultyClock:
         self._held: dict[str, list[_Notif]] = {}
 
     # Hooks for the network.
-    def _on_event(self, event: object) -> None:
+    def _on_completion(self, event: _Completion) -> None:
         raise NotImplementedError
 
     def _deliver(self, notif: _Notif) -> None:
@@ -233,7 +245,11 @@ class _FaultyClock:
         while self._events and self._events[0][0] <= t:
             when, _, event = heapq.heappop(self._events)
             self._now = when  # follow-up events are scheduled from the event's own time
-            self._on_event(event)
+            if isinstance(event, _Notif):
+                self._deliver(event)
+            else:
+                assert isinstance(event, _Completion)
+                self._on_completion(event)
         self._now = t
 
     def advance(self, dt: float) -> None:
@@ -300,6 +316,24 @@ class _FaultyClock:
 
     def _schedule(self, when: float, event: object) -> None:
         heapq.heappush(self._events, (when, next(self._seq), event))
+
+    def _plan_post(self, agent: str, rows: int) -> tuple[float | None, int | None]:
+        """Fate of one `transfer()` of `rows` pairs by `agent`: ``(latency, fail_rows)``.
+
+        Raises `FabricError` for a failed post; latency None: stuck; fail_rows not None: the
+        transfer ends ``"ERR"`` after copying that many rows.
+        """
+        self._stats.posts += 1
+        outcome = self._dice.post_outcome(agent)
+        if outcome == "fail_post":
+            self._stats.posts_failed += 1
+            raise FabricError(f"posting a transfer of {agent!r} failed (injected fault)")
+        if outcome == "stuck":
+            return None, None
+        latency = self._faults.transfer_latency
+        if outcome == "delay":
+            latency = max(latency, MIN_DELAYED_POST)
+        return latency, self._dice.partial_rows(rows) if outcome == "err" else None
 
     def _send_notif(self, notif: _Notif, receiver: str, reachable: bool) -> None:
         """Send one notification: count it, decide its fate, schedule its delivery(ies)."""

@@ -43,4 +43,5 @@ __all__ = [
     "decode_model",
     "load",
     "models_dir",
+    "protocol_error",
 ]

@@ -156,9 +156,11 @@ def _derive_table(machine: Machine) -> dict[str, dict[str, tuple[Rule, ...]]]:
         table[name] = {
             source: tuple(
                 Rule(
-                    guards=tuple((c.func.removeprefix(_GUARD), c.target) for c in t.conditions),
+                    guards=tuple(
+                        (str(c.func).removeprefix(_GUARD), c.target) for c in t.conditions
+                    ),
                     dest=source if t.dest is None else t.dest,
-                    commands=tuple(a.removeprefix(_COMMAND) for a in t.after),
+                    commands=tuple(str(a).removeprefix(_COMMAND) for a in t.after),
                 )
                 for t in transitions
             )

@@ -15,6 +15,7 @@ from pathlib import Path
 import msgspec
 
 __all__ = [
+    "STAY",
     "CommandSpec",
     "EventSpec",
     "GuardSpec",
@@ -23,7 +24,6 @@ __all__ = [
     "ModelError",
     "Origin",
     "StateSpec",
-    "STAY",
     "TransitionSpec",
     "decode_model",
 ]
@@ -206,7 +206,9 @@ def _unreachable(model: LifecycleModel, terminal: set[str]) -> list[str]:
     can_end = _closure(backward, terminal)
     initial = model.machine.initial
     problems = [f"state '{s}' is unreachable from '{initial}'" for s in forward if s not in reached]
-    problems += [f"state '{s}' can never reach a terminal state" for s in forward if s not in can_end]
+    problems += [
+        f"state '{s}' can never reach a terminal state" for s in forward if s not in can_end
+    ]
     return problems
 
 

@@ -1,0 +1,73 @@
+"""The sans-I/O core: P and D sides of every request, both modes. Events in, commands out.
+
+No threads, sockets, NIXL, sleeps or wall clock here: time is an input to `handle`.
+"""
+
+from kvfsm.core._config import CoreConfig, Identity, Mode, agent_name, paired_ranks
+from kvfsm.core._consumer import Consumer, ProducerLink
+from kvfsm.core._dispatch import Deadlines, Step, Tombstones
+from kvfsm.core._io import (
+    Abort,
+    Admit,
+    CancelTransfer,
+    Command,
+    Event,
+    Finished,
+    HandshakeDone,
+    HandshakeFailed,
+    NotificationReceived,
+    PeerLost,
+    PostTransfer,
+    PrefillFinished,
+    ReleaseBlocks,
+    RemoveAgent,
+    ReportFailed,
+    ReportReceived,
+    SendNotification,
+    Shutdown,
+    StartHandshake,
+    Tick,
+    TransferResult,
+)
+from kvfsm.core._producer import ConsumerLink, Producer
+from kvfsm.core._side import Peer, Request, Side, TransferTally
+
+__all__ = [
+    "Abort",
+    "Admit",
+    "CancelTransfer",
+    "Command",
+    "Consumer",
+    "ConsumerLink",
+    "CoreConfig",
+    "Deadlines",
+    "Event",
+    "Finished",
+    "HandshakeDone",
+    "HandshakeFailed",
+    "Identity",
+    "Mode",
+    "NotificationReceived",
+    "Peer",
+    "PeerLost",
+    "PostTransfer",
+    "PrefillFinished",
+    "Producer",
+    "ProducerLink",
+    "ReleaseBlocks",
+    "RemoveAgent",
+    "ReportFailed",
+    "ReportReceived",
+    "Request",
+    "SendNotification",
+    "Shutdown",
+    "Side",
+    "StartHandshake",
+    "Step",
+    "Tick",
+    "Tombstones",
+    "TransferResult",
+    "TransferTally",
+    "agent_name",
+    "paired_ranks",
+]

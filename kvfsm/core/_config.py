@@ -1,0 +1,80 @@
+"""Settings of the core: deadlines and bounds, with the reasons for their defaults."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+__all__ = ["CoreConfig", "Identity", "Mode", "agent_name", "paired_ranks"]
+
+Mode = Literal["push", "pull"]
+
+
+class Identity(msgspec.Struct, frozen=True):
+    """Who a local engine is: its engine id, TP rank and TP size."""
+
+    engine_id: str
+    rank: int = 0
+    tp_size: int = 1
+
+    @property
+    def agent(self) -> str:
+        """This engine rank's agent name on the fabric."""
+        return agent_name(self.engine_id, self.rank)
+
+
+class CoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Deadlines (seconds) and bounds. Every wait in kvfsm ends at one of these."""
+
+    lease_s: float = 30.0
+    """P holds finished blocks this long for a D that has not registered (heartbeats renew it)."""
+    watchdog_s: float = 30.0
+    """D waits this long for P to act on its registration (P's progress renews it)."""
+    stall_s: float = 10.0
+    """D gives up on (and cancels) in-flight transfers after this long without completion."""
+    producer_stall_s: float = 20.0
+    """P gives up on transfers it granted or posted; longer than `stall_s` so D's own cancel comes first."""
+    fence_s: float = 30.0
+    """D holds blocks of a request it gave up on this long at most, waiting for P's acknowledgement."""
+    heartbeat_s: float = 5.0
+    """D tells P it still waits this often (must be well under `lease_s`)."""
+    pending_registration_ttl_s: float = 30.0
+    """P keeps a registration for a request it does not know yet this long."""
+    max_pending_registrations: int = 65536
+    """P refuses registrations beyond this many unmatched ones (bounded memory)."""
+    tombstones: int = 16384
+    """How many finished request ids are remembered, to tell late messages from unknown ones."""
+    trace: bool = True
+    """Keep each request's transition history (state, event, time)."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.producer_stall_s > self.stall_s, "producer_stall_s must exceed stall_s"),
+            (self.heartbeat_s < self.lease_s, "heartbeat_s must be below lease_s"),
+            (min(self.lease_s, self.watchdog_s, self.stall_s, self.fence_s) > 0, "bounds > 0"),
+            (self.max_pending_registrations > 0 and self.tombstones > 0, "sizes must be > 0"),
+        ]
+        problems = [msg for ok, msg in checks if not ok]
+        if problems:
+            raise ValueError("invalid CoreConfig: " + "; ".join(problems))
+
+
+def agent_name(engine_id: str, rank: int) -> str:
+    """The fabric agent name of one engine rank."""
+    return f"{engine_id}#{rank}"
+
+
+def paired_ranks(rank: int, tp_size: int, peer_tp_size: int) -> range:
+    """The peer ranks a rank exchanges KV with: several when the peer has more ranks (each holds a
+    slice of this rank's heads), else the one peer rank holding this rank's heads."""
+    if tp_size < 1 or peer_tp_size < 1 or not 0 <= rank < tp_size:
+        raise ValueError(f"bad TP geometry: rank {rank} of {tp_size}, peer TP {peer_tp_size}")
+    big, small = max(tp_size, peer_tp_size), min(tp_size, peer_tp_size)
+    if big % small:
+        raise ValueError(f"TP sizes {tp_size} and {peer_tp_size} do not divide")
+    if peer_tp_size >= tp_size:
+        k = peer_tp_size // tp_size
+        return range(rank * k, rank * k + k)
+    first = rank // (tp_size // peer_tp_size)
+    return range(first, first + 1)

@@ -1,0 +1,213 @@
+"""The decode side (D): register the blocks to fill, receive P's WRITEs (push) or READ once granted
+(pull), report the blocks received or invalid, and never hand back blocks a transfer may still fill."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import ClassVar
+
+import msgspec
+import numpy as np
+
+from kvfsm.core._config import CoreConfig, Identity, Mode, agent_name, paired_ranks
+from kvfsm.core._io import (
+    Admit,
+    PostTransfer,
+    ReportFailed,
+    ReportReceived,
+    Tick,
+)
+from kvfsm.core._side import Request, Side
+from kvfsm.wire import (
+    BlockIds,
+    Cancel,
+    CancelAck,
+    Completion,
+    Failure,
+    Grant,
+    Heartbeat,
+    Progress,
+    Registration,
+    encode,
+    pack_blocks,
+    unpack_blocks,
+)
+
+__all__ = ["Consumer", "ProducerLink"]
+
+_NO_BLOCKS: BlockIds = np.zeros(0, dtype=np.int32)
+_HEARTBEAT_BATCH = 4096  # ids per heartbeat notification, far below the message size bound
+_HEARTBEAT_STATES = frozenset({"registered", "writing", "reading"})
+
+
+class ProducerLink(msgspec.Struct, gc=False):
+    """One P rank's part in a D request: its grant (pull) and the READ posted from it."""
+
+    agent: str
+    request_id: str = ""  # P's id for the request, once known
+    block_ids: BlockIds = _NO_BLOCKS
+    transfer_id: int = 0
+
+
+class Consumer(Side):
+    """D's side of every request, both modes. Feed events with `handle(event, now)`."""
+
+    side: ClassVar[str] = "D"
+    _deadline_events: ClassVar[dict[str, str]] = {
+        "arm_watchdog": "watchdog_expired",
+        "arm_stall": "stall_timeout",
+        "arm_fence": "fence_expired",
+    }
+
+    def __init__(self, identity: Identity, mode: Mode, config: CoreConfig | None = None) -> None:
+        super().__init__(identity, mode, config)
+        self._next_heartbeat = 0.0
+        self._handlers[Admit] = self._on_admit
+        self._handlers[Tick] = self._on_d_tick
+        self._messages.update(
+            {
+                Progress: self._on_progress,
+                Completion: self._on_completion,
+                Failure: self._on_failure,
+                CancelAck: self._on_cancel_ack,
+                Grant: self._on_grant,
+            }
+        )
+
+    # --- caller events --------------------------------------------------------------------------
+
+    def _on_admit(self, event: Admit) -> None:
+        ranks = paired_ranks(self.identity.rank, self.identity.tp_size, event.peer_tp)
+        if len(event.blocks) and not event.peer_engine:
+            raise ValueError(f"request {event.request_id!r} has blocks to receive but no P engine")
+        req = self._new_request(event.request_id, event.blocks)
+        req.peer_request_id = event.peer_request_id
+        req.peers = [agent_name(event.peer_engine, r) for r in ranks] if len(event.blocks) else []
+        req.links = {a: ProducerLink(a, event.peer_request_id) for a in req.peers}
+        req.tally.expected = len(req.peers)
+        self._req.fire(req, "admitted", self._now)
+
+    def _on_d_tick(self, event: Tick) -> None:
+        self._on_tick(event)
+        if self._now >= self._next_heartbeat:
+            self._next_heartbeat = self._now + self.config.heartbeat_s
+            self._send_heartbeats()
+
+    def _send_heartbeats(self) -> None:
+        by_peer: defaultdict[str, list[str]] = defaultdict(list)
+        for req in self.requests.values():
+            if req.state in _HEARTBEAT_STATES:
+                for agent in req.peers:
+                    by_peer[agent].append(req.id)
+        for agent, ids in by_peer.items():
+            if self._connected((agent,)):
+                for i in range(0, len(ids), _HEARTBEAT_BATCH):
+                    self._send(agent, Heartbeat(ids[i : i + _HEARTBEAT_BATCH], self.identity.rank))
+
+    # --- messages from P ------------------------------------------------------------------------
+
+    def _request_from(self, request_id: str, sender: str, what: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None and sender in req.links:
+            return req
+        if req is not None:
+            self._count_error("unexpected", f"{what} for {request_id!r} from stranger {sender}")
+        else:
+            kind = "late" if request_id in self.tombstones else "unknown"
+            self._count_error(kind, f"{what} for {request_id!r} from {sender}")
+        return None
+
+    def _on_progress(self, msg: Progress, sender: str) -> None:
+        req = self._request_from(msg.request_id, sender, "progress")
+        if req is not None:
+            self._fire_from_peer(req, "peer_writing")
+
+    def _on_completion(self, msg: Completion, sender: str) -> None:
+        req = self._request_from(msg.request_id, sender, "completion")
+        if req is not None:
+            self._result_from_peer(req, sender, True)
+
+    def _on_failure(self, msg: Failure, sender: str) -> None:
+        req = self._request_from(msg.request_id, sender, "failure")
+        if req is None:
+            return
+        if self.mode == "push":
+            # P sends this only once none of its WRITEs can still land.
+            self._result_from_peer(req, sender, False)
+        else:
+            self._fire_from_peer(req, "peer_failed")
+
+    def _on_cancel_ack(self, msg: CancelAck, sender: str) -> None:
+        req = self._request_from(msg.request_id, sender, "cancel ack")
+        if req is None:
+            return
+        req.acks.add(sender)
+        if req.acks.issuperset(req.peers):
+            self._fire_from_peer(req, "cancel_acked")
+
+    def _on_grant(self, msg: Grant, sender: str) -> None:
+        req = self._request_from(msg.request_id, sender, "grant")
+        if req is None:
+            return
+        link = req.links[sender]
+        if link.transfer_id:
+            self._count_error("duplicate", f"grant for {req.id!r} from {sender}")
+            return
+        link.request_id = msg.sender_request_id
+        link.block_ids = unpack_blocks(msg.block_ids)
+        self._fire_from_peer(req, "peer_granted")
+
+    def _result_from_peer(self, req: Request, sender: str, ok: bool) -> None:
+        event = "transfer_complete" if ok else "transfer_failed"
+        if not self._req.accepts(req.state, event):
+            self._count_error("unexpected", f"{event} for {req.id!r} in {req.state}")
+            return
+        self._tally_result(req, sender, ok)
+
+    # --- guards and commands named in models/consumer_*.toml -----------------------------------
+
+    def _req_cmd_arm_watchdog(self, req: Request) -> None:
+        self._arm(req, "arm_watchdog", self.config.watchdog_s)
+
+    def _req_cmd_arm_stall(self, req: Request) -> None:
+        self._arm(req, "arm_stall", self.config.stall_s)
+
+    def _req_cmd_arm_fence(self, req: Request) -> None:
+        self._arm(req, "arm_fence", self.config.fence_s)
+
+    def _req_cmd_send_registration(self, req: Request) -> None:
+        me = self.identity
+        blocks = pack_blocks(req.blocks)
+        for agent in req.peers:
+            reg = Registration(
+                req.peer_request_id, req.id, me.rank, me.tp_size, me.engine_id, blocks
+            )
+            self._send(agent, reg)
+
+    def _req_cmd_send_cancel(self, req: Request) -> None:
+        me = self.identity
+        for link in req.links.values():
+            if self._connected((link.agent,)):
+                self._send(link.agent, Cancel(link.request_id, req.id, me.rank, me.tp_size))
+
+    def _req_cmd_post_transfer(self, req: Request) -> None:
+        me = self.identity
+        n = len(req.blocks)
+        for link in req.links.values():
+            if link.transfer_id or not len(link.block_ids):
+                continue
+            link.transfer_id = tid = self._new_transfer_id()
+            if n > len(link.block_ids):
+                self._count_error("rejected", f"{req.id}: needs {n} blocks, P granted fewer")
+                self._tally_result(req, link.agent, False)
+                continue
+            self._transfers[tid] = (req.id, link.agent)
+            done = encode(Completion(link.request_id, req.id, me.rank, me.tp_size))
+            remote = link.block_ids[len(link.block_ids) - n :]
+            self._emit(PostTransfer(req.id, tid, "READ", link.agent, req.blocks, remote, done))
+
+    def _req_cmd_report_received(self, req: Request) -> None:
+        self._emit(ReportReceived(req.id, req.blocks))
+
+    def _req_cmd_report_failed(self, req: Request) -> None:
+        self._emit(ReportFailed(req.id, req.blocks))

@@ -1,0 +1,203 @@
+"""The core's inputs (events) and outputs (commands). Time is not in them: `handle` takes `now`."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from kvfsm.wire import BlockIds
+
+__all__ = [
+    "Abort",
+    "Admit",
+    "CancelTransfer",
+    "Command",
+    "Event",
+    "Finished",
+    "HandshakeDone",
+    "HandshakeFailed",
+    "NotificationReceived",
+    "PeerLost",
+    "PostTransfer",
+    "PrefillFinished",
+    "ReleaseBlocks",
+    "RemoveAgent",
+    "ReportFailed",
+    "ReportReceived",
+    "SendNotification",
+    "Shutdown",
+    "StartHandshake",
+    "Tick",
+    "TransferResult",
+]
+
+
+class _Io(msgspec.Struct, frozen=True, gc=False):
+    pass
+
+
+# --- events -----------------------------------------------------------------------------------
+
+
+class Admit(_Io, frozen=True, gc=False):
+    """The caller admits a request. P: `blocks` are allocated for the prefill. D: `blocks` are to be
+    filled from P (empty on a full prefix-cache hit); `peer_engine`/`peer_tp` name P and
+    `peer_request_id` is P's id for the request (from P's transfer params; "" if unknown)."""
+
+    request_id: str
+    blocks: BlockIds
+    peer_engine: str = ""
+    peer_tp: int = 1
+    peer_request_id: str = ""
+
+
+class PrefillFinished(_Io, frozen=True, gc=False):
+    """P: the prefill finished; `blocks` are the request's final blocks (possibly none)."""
+
+    request_id: str
+    blocks: BlockIds
+
+
+class Abort(_Io, frozen=True, gc=False):
+    """The caller aborts a request."""
+
+    request_id: str
+
+
+class Tick(_Io, frozen=True, gc=False):
+    """Time passed: fire due deadlines and heartbeats."""
+
+
+class Shutdown(_Io, frozen=True, gc=False):
+    """The engine shuts down: every request ends, every peer closes."""
+
+
+class NotificationReceived(_Io, frozen=True, gc=False):
+    """A notification arrived from the agent `sender`."""
+
+    sender: str
+    payload: bytes
+
+
+class HandshakeDone(_Io, frozen=True, gc=False):
+    """The handshake with `peer` completed and its agent is loaded."""
+
+    peer: str
+
+
+class HandshakeFailed(_Io, frozen=True, gc=False):
+    """The handshake with `peer` failed."""
+
+    peer: str
+    reason: str
+
+
+class PeerLost(_Io, frozen=True, gc=False):
+    """The fabric reported `peer` disconnected."""
+
+    peer: str
+
+
+class TransferResult(_Io, frozen=True, gc=False):
+    """A posted transfer ended: DONE (`ok`), or ERR / failed to post."""
+
+    request_id: str
+    transfer_id: int
+    ok: bool
+    reason: str = ""
+
+
+Event = (
+    Admit
+    | PrefillFinished
+    | Abort
+    | Tick
+    | Shutdown
+    | NotificationReceived
+    | HandshakeDone
+    | HandshakeFailed
+    | PeerLost
+    | TransferResult
+)
+
+# --- commands ---------------------------------------------------------------------------------
+
+
+class StartHandshake(_Io, frozen=True, gc=False):
+    """Connect to `peer`, then feed back `HandshakeDone` or `HandshakeFailed`."""
+
+    peer: str
+
+
+class RemoveAgent(_Io, frozen=True, gc=False):
+    """Unload `peer`'s agent and everything prepared for it."""
+
+    peer: str
+
+
+class PostTransfer(_Io, frozen=True, gc=False):
+    """Post a transfer between paired blocks; feed back `TransferResult`."""
+
+    request_id: str
+    transfer_id: int
+    op: Literal["WRITE", "READ"]
+    peer: str
+    local_blocks: BlockIds
+    remote_blocks: BlockIds
+    notification: bytes
+
+
+class CancelTransfer(_Io, frozen=True, gc=False):
+    """Release a posted transfer's handle; the fabric cancels what has not landed."""
+
+    request_id: str
+    transfer_id: int
+
+
+class SendNotification(_Io, frozen=True, gc=False):
+    """Send `payload` to `peer`."""
+
+    peer: str
+    payload: bytes
+
+
+class ReleaseBlocks(_Io, frozen=True, gc=False):
+    """Hand `blocks` back to the caller's allocator."""
+
+    request_id: str
+    blocks: BlockIds
+
+
+class ReportReceived(_Io, frozen=True, gc=False):
+    """D: the request's `blocks` now hold P's KV; they belong to the caller again."""
+
+    request_id: str
+    blocks: BlockIds
+
+
+class ReportFailed(_Io, frozen=True, gc=False):
+    """D: the request failed; its `blocks` are invalid (to recompute or fail)."""
+
+    request_id: str
+    blocks: BlockIds
+
+
+class Finished(_Io, frozen=True, gc=False):
+    """The request reached the terminal `state`; the core holds nothing for it any more."""
+
+    request_id: str
+    state: str
+
+
+Command = (
+    StartHandshake
+    | RemoveAgent
+    | PostTransfer
+    | CancelTransfer
+    | SendNotification
+    | ReleaseBlocks
+    | ReportReceived
+    | ReportFailed
+    | Finished
+)

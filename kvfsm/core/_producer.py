@@ -1,0 +1,288 @@
+"""The prefill side (P): hold finished blocks under a lease, match D's registrations, WRITE (push) or
+grant D's READ (pull), release each block exactly once."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import ClassVar
+
+import msgspec
+
+from kvfsm.core._config import CoreConfig, Identity, Mode, paired_ranks
+from kvfsm.core._io import Admit, PostTransfer, PrefillFinished, Tick
+from kvfsm.core._side import Request, Side
+from kvfsm.wire import (
+    BlockIds,
+    Cancel,
+    CancelAck,
+    Completion,
+    Failure,
+    Grant,
+    Heartbeat,
+    Message,
+    Progress,
+    Registration,
+    base_request_id,
+    encode,
+    pack_blocks,
+    unpack_blocks,
+)
+
+__all__ = ["ConsumerLink", "Producer"]
+
+
+class ConsumerLink(msgspec.Struct, gc=False):
+    """One D rank's part in a P request: where to write (push) or whom to grant (pull)."""
+
+    agent: str
+    request_id: str  # D's id for the request
+    block_ids: BlockIds
+    transfer_id: int = 0  # push: the WRITE posted to this rank
+    granted: bool = False  # pull: the grant was sent
+
+
+class _Pending(msgspec.Struct, gc=False):
+    message: Registration
+    sender: str
+    expires: float
+
+
+class Producer(Side):
+    """P's side of every request, both modes. Feed events with `handle(event, now)`."""
+
+    side: ClassVar[str] = "P"
+    _deadline_events: ClassVar[dict[str, str]] = {
+        "arm_lease": "lease_expired",
+        "arm_stall": "stall_timeout",
+    }
+
+    def __init__(self, identity: Identity, mode: Mode, config: CoreConfig | None = None) -> None:
+        super().__init__(identity, mode, config)
+        self._waiting: dict[str, Request] = {}  # requests that may still take registrations
+        self._waiting_base: dict[str, dict[str, None]] = {}
+        self._pending: dict[tuple[str, str], _Pending] = {}  # registrations nobody matched yet
+        self._pending_ids: dict[str, tuple[str, str]] = {}
+        self._pending_base: dict[str, dict[tuple[str, str], None]] = {}
+        self._pending_expiry: deque[tuple[float, tuple[str, str]]] = deque()
+        self._by_consumer: dict[tuple[str, str], Request] = {}  # (D agent, D id) -> request
+        self._sender = ""  # the agent whose message is being handled
+        self._handlers.update({Admit: self._on_admit, PrefillFinished: self._on_prefill_finished})
+        self._handlers[Tick] = self._on_p_tick
+        self._messages.update(
+            {
+                Registration: self._on_registration,
+                Cancel: self._on_cancel,
+                Completion: self._on_completion,
+                Heartbeat: self._on_heartbeat,
+            }
+        )
+
+    # --- caller events --------------------------------------------------------------------------
+
+    def _on_admit(self, event: Admit) -> None:
+        req = self._new_request(event.request_id, event.blocks)
+        self._waiting[req.id] = req
+        self._waiting_base.setdefault(base_request_id(req.id), {})[req.id] = None
+        while req.id in self._waiting:
+            key = self._pending_ids.get(req.id)
+            if key is None:
+                keys = self._pending_base.get(base_request_id(req.id))
+                key = next(iter(keys)) if keys else None
+            if key is None:
+                break
+            pending = self._drop_pending(key)
+            self._attach(req, pending.message, pending.sender)
+
+    def _on_prefill_finished(self, event: PrefillFinished) -> None:
+        req = self.requests.get(event.request_id)
+        if req is None:
+            kind = "late" if event.request_id in self.tombstones else "unknown"
+            self._count_error(kind, f"prefill_finished for {event.request_id!r}")
+            return
+        req.blocks = event.blocks
+        self._req.fire(req, "prefill_finished", self._now)
+
+    def _on_p_tick(self, event: Tick) -> None:
+        expiry = self._pending_expiry
+        while expiry and expiry[0][0] <= self._now:
+            _, key = expiry.popleft()
+            pending = self._pending.get(key)
+            if pending is not None and pending.expires <= self._now:
+                self._drop_pending(key)
+                self._count_error("registration_expired", f"unmatched registration {key}")
+        self._on_tick(event)
+
+    # --- messages from D ------------------------------------------------------------------------
+
+    def _on_registration(self, msg: Registration, sender: str) -> None:
+        req = self._match(msg)
+        if req is not None:
+            self._attach(req, msg, sender)
+            return
+        if msg.request_id in self.tombstones or msg.sender_request_id in self.tombstones:
+            self._count_error("late", f"registration for ended request {msg.request_id!r}")
+            self._reply(sender, Failure(msg.sender_request_id, msg.request_id, *self._me, "ended"))
+            return
+        key = (sender, msg.sender_request_id)
+        if key in self._pending:
+            self._count_error("duplicate", f"registration {key}")
+            return
+        if len(self._pending) >= self.config.max_pending_registrations:
+            self._count_error("rejected", f"registration {key}: too many unmatched")
+            self._reply(sender, Failure(msg.sender_request_id, msg.request_id, *self._me, "full"))
+            return
+        expires = self._now + self.config.pending_registration_ttl_s
+        self._pending[key] = _Pending(msg, sender, expires)
+        for rid in {msg.request_id, msg.sender_request_id} - {""}:
+            self._pending_ids[rid] = key
+        self._pending_base.setdefault(base_request_id(msg.sender_request_id), {})[key] = None
+        self._pending_expiry.append((expires, key))
+
+    def _on_cancel(self, msg: Cancel, sender: str) -> None:
+        req = self._by_consumer.get((sender, msg.sender_request_id))
+        if req is None:
+            # Nothing of that request is posted or granted to the sender: confirm at once.
+            self._count_error("unknown", f"cancel for {msg.sender_request_id!r} from {sender}")
+            if self.mode == "push":
+                self._reply(sender, CancelAck(msg.sender_request_id, msg.request_id, *self._me))
+            return
+        self._sender = sender
+        self._fire_from_peer(req, "peer_cancelled")
+
+    def _on_completion(self, msg: Completion, sender: str) -> None:
+        req = self._by_consumer.get((sender, msg.sender_request_id))
+        link = req.links.get(sender) if req is not None else None
+        if req is None or link is None or not link.granted:
+            ended = msg.request_id in self.tombstones
+            self._count_error("late" if ended else "unknown", f"completion {msg.request_id!r}")
+            return
+        self._tally_result(req, sender, True)
+
+    def _on_heartbeat(self, msg: Heartbeat, sender: str) -> None:
+        for rid in msg.request_ids:
+            req = self._by_consumer.get((sender, rid))
+            if req is None:
+                self.counters["heartbeat_unknown"] += 1
+            else:
+                self._fire_from_peer(req, "heartbeat")
+
+    # --- matching -------------------------------------------------------------------------------
+
+    def _match(self, msg: Registration) -> Request | None:
+        """Exact id (P's id as D knows it, then D's own), then base id: O(1) each."""
+        for rid in (msg.request_id, msg.sender_request_id):
+            req = self._waiting.get(rid)
+            if req is not None:
+                return req
+        ids = self._waiting_base.get(base_request_id(msg.sender_request_id))
+        return self._waiting[next(iter(ids))] if ids else None
+
+    def _attach(self, req: Request, msg: Registration, sender: str) -> None:
+        try:
+            expected = len(paired_ranks(self.identity.rank, self.identity.tp_size, msg.tp_size))
+        except ValueError as exc:
+            self._count_error("rejected", f"registration from {sender}: {exc}")
+            return
+        if sender in req.links:
+            self._count_error("duplicate", f"registration for {req.id!r} from {sender}")
+            return
+        req.links[sender] = ConsumerLink(
+            sender, msg.sender_request_id, unpack_blocks(msg.block_ids)
+        )
+        req.peers.append(sender)
+        req.tally.expected = expected
+        self._by_consumer[(sender, msg.sender_request_id)] = req
+        if len(req.links) >= expected:
+            self._unwait(req)
+        self._fire_from_peer(req, "registration")
+
+    def _unwait(self, req: Request) -> None:
+        if self._waiting.pop(req.id, None) is not None:
+            ids = self._waiting_base[base_request_id(req.id)]
+            del ids[req.id]
+            if not ids:
+                del self._waiting_base[base_request_id(req.id)]
+
+    def _drop_pending(self, key: tuple[str, str]) -> _Pending:
+        pending = self._pending.pop(key)
+        for rid in (pending.message.request_id, pending.message.sender_request_id):
+            if self._pending_ids.get(rid) == key:
+                del self._pending_ids[rid]
+        base = base_request_id(pending.message.sender_request_id)
+        keys = self._pending_base[base]
+        del keys[key]
+        if not keys:
+            del self._pending_base[base]
+        return pending
+
+    def _forget(self, req: Request) -> None:
+        super()._forget(req)
+        self._unwait(req)
+        for link in req.links.values():
+            self._by_consumer.pop((link.agent, link.request_id), None)
+
+    # --- guards and commands named in models/producer_*.toml -----------------------------------
+
+    @property
+    def _me(self) -> tuple[int, int]:
+        return self.identity.rank, self.identity.tp_size
+
+    def _reply(self, agent: str, message: Message) -> None:
+        if self._connected((agent,)):
+            self._send(agent, message)
+        else:
+            self.counters["unanswerable"] += 1
+
+    def _req_cmd_arm_lease(self, req: Request) -> None:
+        self._arm(req, "arm_lease", self.config.lease_s)
+
+    def _req_cmd_arm_stall(self, req: Request) -> None:
+        self._arm(req, "arm_stall", self.config.producer_stall_s)
+
+    def _req_cmd_post_transfer(self, req: Request) -> None:
+        for link in req.links.values():
+            if link.transfer_id or not self._connected((link.agent,)):
+                continue
+            link.transfer_id = tid = self._new_transfer_id()
+            self._transfers[tid] = (req.id, link.agent)
+            n = len(link.block_ids)
+            if n > len(req.blocks):
+                # D asked for more blocks than P has: a failed transfer, never a partial success.
+                self._count_error(
+                    "rejected", f"{req.id}: D wants {n} blocks, P has {len(req.blocks)}"
+                )
+                self._transfers.pop(tid)
+                self._tally_result(req, link.agent, False)
+                continue
+            self._send(link.agent, Progress(link.request_id, req.id, *self._me))
+            done = encode(Completion(link.request_id, req.id, *self._me))
+            local = req.blocks[len(req.blocks) - n :]
+            self._emit(PostTransfer(req.id, tid, "WRITE", link.agent, local, link.block_ids, done))
+
+    def _req_cmd_notify_peer_failed(self, req: Request) -> None:
+        for link in req.links.values():
+            self._reply(link.agent, Failure(link.request_id, req.id, *self._me, req.state))
+
+    def _req_cmd_ack_cancel(self, req: Request) -> None:
+        for link in req.links.values():
+            self._reply(link.agent, CancelAck(link.request_id, req.id, *self._me))
+
+    def _req_cmd_grant_read(self, req: Request) -> None:
+        blocks = pack_blocks(req.blocks)
+        for link in req.links.values():
+            if not link.granted and self._connected((link.agent,)):
+                link.granted = True
+                self._send(link.agent, Grant(link.request_id, req.id, *self._me, blocks))
+
+    def _req_cmd_drop_registration(self, req: Request) -> None:
+        link = req.links.pop(self._sender, None)
+        if link is None:
+            return
+        req.peers.remove(link.agent)
+        self._by_consumer.pop((link.agent, link.request_id), None)
+        self._waiting[req.id] = req
+        self._waiting_base.setdefault(base_request_id(req.id), {})[req.id] = None
+
+    def _req_cmd_record_cancel(self, req: Request) -> None:
+        if self._sender in req.links:
+            self._tally_result(req, self._sender, False)

@@ -1,0 +1,357 @@
+"""What the P and D sides share: requests, peers, the transfer tally, deadlines and message routing.
+
+`Side.handle(event, now)` is the whole interface: an event in, the commands to execute out. Nothing
+here does I/O or reads a clock.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
+
+from kvfsm.core._config import CoreConfig, Identity, Mode
+from kvfsm.core._dispatch import Deadlines, Dispatcher, Recorder, RunQueue, Tombstones
+from kvfsm.core._io import (
+    Abort,
+    CancelTransfer,
+    Command,
+    Finished,
+    HandshakeDone,
+    HandshakeFailed,
+    NotificationReceived,
+    PeerLost,
+    ReleaseBlocks,
+    RemoveAgent,
+    SendNotification,
+    Shutdown,
+    StartHandshake,
+    Tick,
+    TransferResult,
+)
+from kvfsm.lifecycle import ProtocolError, RemoteProtocolError, load
+from kvfsm.wire import BlockIds, Message, WireError, decode, encode
+
+__all__ = ["Peer", "Request", "Side", "TransferTally"]
+
+_MAX_ERRORS_KEPT = 64
+
+
+class TransferTally:
+    """The results of one request's transfers, counted by the `transfer` lifecycle."""
+
+    __slots__ = ("expected", "failed", "history", "id", "ok", "results", "state")
+
+    def __init__(self, request_id: str, expected: int) -> None:
+        self.id = request_id
+        self.state = "open"
+        self.history: list[tuple[str, str, float]] | None = None
+        self.expected = expected
+        self.ok = 0
+        self.failed = 0
+        self.results: dict[str, bool] = {}
+
+
+class Request:
+    """One request on one side: its lifecycle state, blocks, peers and transfer tally."""
+
+    __slots__ = (
+        "abort_requested",
+        "acks",
+        "blocks",
+        "history",
+        "id",
+        "links",
+        "peer_request_id",
+        "peers",
+        "state",
+        "tally",
+    )
+
+    def __init__(self, request_id: str, state: str, blocks: BlockIds, trace: bool) -> None:
+        self.id = request_id
+        self.state = state
+        self.blocks = blocks
+        self.history: list[tuple[str, str, float]] | None = [] if trace else None
+        self.abort_requested = False
+        self.peers: list[str] = []
+        self.peer_request_id = ""
+        self.tally = TransferTally(request_id, 1)
+        self.links: dict[str, Any] = {}  # per peer agent: the side's record of that peer's part
+        self.acks: set[str] = set()
+
+
+class Peer:
+    """One remote engine rank and the requests waiting for a connection to it."""
+
+    __slots__ = ("history", "id", "state", "waiters")
+
+    def __init__(self, agent: str) -> None:
+        self.id = agent
+        self.state = "unknown"
+        self.history: list[tuple[str, str, float]] | None = None
+        self.waiters: dict[str, None] = {}
+
+
+class Side:
+    """The shared machinery of `Producer` and `Consumer`."""
+
+    side: ClassVar[str]
+    _deadline_events: ClassVar[dict[str, str]]  # arm_<kind> command -> event it fires
+
+    def __init__(self, identity: Identity, mode: Mode, config: CoreConfig | None = None) -> None:
+        self.identity = identity
+        self.mode: Mode = mode
+        self.config = config or CoreConfig()
+        role = "producer" if self.side == "P" else "consumer"
+        self.requests: dict[str, Request] = {}
+        self.peers: dict[str, Peer] = {}
+        self.counters: Counter[str] = Counter()
+        self.errors: deque[str] = deque(maxlen=_MAX_ERRORS_KEPT)
+        self.deadlines = Deadlines()
+        self.tombstones = Tombstones(self.config.tombstones)
+        self._out: list[Command] = []
+        self._now = 0.0
+        self._runq = RunQueue()
+        self._next_transfer_id = 0
+        self._transfers: dict[int, tuple[str, str]] = {}  # transfer id -> (request, peer agent)
+        self._req = Dispatcher(load(f"{role}_{mode}"), self, "_req_", self.side)
+        self._req.on_terminal = self._on_request_ended
+        self._peer = Dispatcher(load("peer"), self, "_peer_", self.side)
+        self._tally = Dispatcher(load("transfer"), self, "_tally_", self.side)
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            Abort: self._on_abort,
+            Tick: self._on_tick,
+            Shutdown: self._on_shutdown,
+            NotificationReceived: self._on_notification,
+            HandshakeDone: lambda e: self._peer_event(e.peer, "handshake_done"),
+            HandshakeFailed: lambda e: self._peer_event(e.peer, "handshake_failed"),
+            PeerLost: lambda e: self._peer_event(e.peer, "peer_lost"),
+            TransferResult: self._on_transfer_result,
+        }
+        self._messages: dict[type, Callable[[Any, str], None]] = {}
+
+    # --- the interface ------------------------------------------------------------------------
+
+    def handle(self, event: Any, now: float) -> list[Command]:
+        """Process one event at time `now`; return the commands to execute, in order."""
+        self._now = now
+        out: list[Command] = []
+        self._out = out
+        handler = self._handlers.get(type(event))
+        if handler is None:
+            raise TypeError(f"{self.side} does not take {type(event).__name__} events")
+        handler(event)
+        self._runq.drain(now, self._alive)
+        return out
+
+    def set_recorder(self, recorder: Recorder | None) -> None:
+        """Report every step taken (for conformance checks and coverage); None to stop."""
+        for dispatcher in (self._req, self._peer, self._tally):
+            dispatcher.recorder = recorder
+
+    def next_deadline(self) -> float | None:
+        """When the next deadline falls, for an event loop's timeout."""
+        return self.deadlines.next_at()
+
+    @property
+    def lifecycle_names(self) -> tuple[str, str, str]:
+        """The lifecycles this side runs: request, peer, transfer tally."""
+        return (self._req.lifecycle.name, "peer", "transfer")
+
+    # --- common event handlers ------------------------------------------------------------------
+
+    def _on_abort(self, event: Abort) -> None:
+        req = self.requests.get(event.request_id)
+        if req is None:
+            self.counters["abort_of_unknown"] += 1
+            return
+        req.abort_requested = True
+        self._req.fire(req, "abort", self._now)
+
+    def _on_tick(self, _event: Tick) -> None:
+        for key, event in list(self.deadlines.due(self._now)):
+            req = self.requests.get(key)
+            if req is not None:
+                self._req.fire(req, event, self._now)
+                self._runq.drain(self._now, self._alive)
+
+    def _on_shutdown(self, _event: Shutdown) -> None:
+        for req in list(self.requests.values()):
+            if req.state in self._req.lifecycle.terminal:
+                continue
+            req.abort_requested = True
+            if self._req.accepts(req.state, "abort"):
+                self._req.fire(req, "abort", self._now)
+        for peer in list(self.peers.values()):
+            self._peer.fire(peer, "shutdown", self._now)
+
+    def _on_transfer_result(self, event: TransferResult) -> None:
+        owner = self._transfers.pop(event.transfer_id, None)
+        req = self.requests.get(owner[0]) if owner else None
+        if owner is None or req is None:
+            self._count_error("late", f"transfer {event.transfer_id} result after its request")
+            return
+        if not event.ok:
+            self._count_error("transfer_failed", f"{req.id}: {event.reason}")
+        self._tally_result(req, owner[1], event.ok)
+
+    def _on_notification(self, event: NotificationReceived) -> None:
+        try:
+            message = decode(event.payload)
+        except WireError as exc:
+            self._count_error("malformed", f"from {event.sender}: {exc}")
+            return
+        route = self._messages.get(type(message))
+        if route is None:
+            self._count_error("unexpected", f"{type(message).__name__} from {event.sender}")
+            return
+        route(message, event.sender)
+
+    # --- helpers for the sides ------------------------------------------------------------------
+
+    def _emit(self, command: Command) -> None:
+        self._out.append(command)
+
+    def _send(self, peer: str, message: Message) -> None:
+        self._out.append(SendNotification(peer, encode(message)))
+
+    def _count_error(self, kind: str, detail: str) -> None:
+        self.counters[kind] += 1
+        self.errors.append(f"{kind}: {detail}")
+
+    def _fire_from_peer(self, req: Request, event: str) -> None:
+        """Fire a peer-caused event; a peer's protocol error is counted and dropped, never raised."""
+        try:
+            self._req.fire(req, event, self._now)
+        except RemoteProtocolError as exc:
+            self._count_error("protocol_error", str(exc))
+
+    def _new_request(self, request_id: str, blocks: BlockIds) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} is already admitted on {self.side}")
+        req = Request(request_id, self._req.lifecycle.initial, blocks, self.config.trace)
+        if req.history is not None:
+            req.history.append(("admit", req.state, self._now))
+        self.requests[request_id] = req
+        return req
+
+    def _new_transfer_id(self) -> int:
+        self._next_transfer_id += 1
+        return self._next_transfer_id
+
+    def _alive(self, inst: Any) -> bool:
+        if isinstance(inst, Request | TransferTally):
+            req = self.requests.get(inst.id)
+            return req is not None and (req is inst or req.tally is inst)
+        return True
+
+    def _on_request_ended(self, req: Request) -> None:
+        del self.requests[req.id]
+        self.deadlines.disarm(req.id)
+        self.tombstones.add(req.id, req.state)
+        for agent in req.peers:
+            peer = self.peers.get(agent)
+            if peer is not None:
+                peer.waiters.pop(req.id, None)
+        self._forget(req)
+        self._emit(Finished(req.id, req.state))
+
+    def _forget(self, req: Request) -> None:
+        """Drop the side's indexes of a request that ended."""
+        for link in req.links.values():
+            self._transfers.pop(link.transfer_id, None)
+
+    def _arm(self, req: Request, command: str, seconds: float) -> None:
+        self.deadlines.arm(req.id, self._now + seconds, self._deadline_events[command])
+
+    def _tally_result(self, req: Request, key: str, ok: bool) -> None:
+        """Count one transfer result; a second result for the same key is a duplicate."""
+        tally = req.tally
+        if key in tally.results:
+            self._count_error("duplicate", f"result for {req.id!r} from {key}")
+            return
+        tally.results[key] = ok
+        if ok:
+            tally.ok += 1
+        else:
+            tally.failed += 1
+        if tally.state in self._tally.lifecycle.terminal:
+            self._count_error("late", f"result for {req.id!r} after its tally closed")
+            return
+        self._tally.fire(tally, "result_ok" if ok else "result_failed", self._now)
+
+    def _connected(self, agents: Iterable[str]) -> bool:
+        peers = self.peers
+        return all(a in peers and peers[a].state == "connected" for a in agents)
+
+    # --- request guards and commands shared by both sides -------------------------------------
+
+    def _req_guard_has_blocks(self, req: Request) -> bool:
+        return len(req.blocks) > 0
+
+    def _req_guard_abort_requested(self, req: Request) -> bool:
+        return req.abort_requested
+
+    def _req_guard_peer_connected(self, req: Request) -> bool:
+        return bool(req.peers) and self._connected(req.peers)
+
+    def _req_cmd_connect_peer(self, req: Request) -> None:
+        for agent in req.peers:
+            peer = self.peers.get(agent)
+            if peer is None:
+                peer = self.peers[agent] = Peer(agent)
+            if peer.state != "connected":
+                peer.waiters[req.id] = None
+                self._peer.fire(peer, "connect", self._now)
+
+    def _req_cmd_cancel_transfers(self, req: Request) -> None:
+        for link in req.links.values():
+            if link.transfer_id and link.agent not in req.tally.results:
+                self._transfers.pop(link.transfer_id, None)
+                self._emit(CancelTransfer(req.id, link.transfer_id))
+
+    def _req_cmd_release_blocks(self, req: Request) -> None:
+        self._emit(ReleaseBlocks(req.id, req.blocks))
+
+    # --- the peer lifecycle ---------------------------------------------------------------------
+
+    def _peer_event(self, agent: str, event: str) -> None:
+        peer = self.peers.get(agent)
+        if peer is None:
+            self._count_error("unknown_peer", f"{event} for {agent}")
+            return
+        try:
+            self._peer.fire(peer, event, self._now)
+        except ProtocolError as exc:
+            self._count_error("protocol_error", str(exc))
+
+    def _peer_cmd_start_handshake(self, peer: Peer) -> None:
+        self._emit(StartHandshake(peer.id))
+
+    def _peer_cmd_remove_agent(self, peer: Peer) -> None:
+        self._emit(RemoveAgent(peer.id))
+
+    def _peer_cmd_wake_waiters(self, peer: Peer) -> None:
+        waiters, peer.waiters = peer.waiters, {}
+        for rid in waiters:
+            req = self.requests.get(rid)
+            if req is not None:
+                self._runq.post(self._req, req, "peer_connected")
+
+    def _peer_cmd_fail_waiters(self, peer: Peer) -> None:
+        peer.waiters = {}
+        for req in list(self.requests.values()):
+            if peer.id in req.peers and self._req.accepts(req.state, "peer_unreachable"):
+                self._runq.post(self._req, req, "peer_unreachable")
+
+    # --- the transfer tally ---------------------------------------------------------------------
+
+    def _tally_guard_outstanding(self, tally: TransferTally) -> bool:
+        return tally.ok + tally.failed < tally.expected
+
+    def _tally_cmd_signal_complete(self, tally: TransferTally) -> None:
+        self._runq.post(self._req, self.requests[tally.id], "transfer_complete")
+
+    def _tally_cmd_signal_failed(self, tally: TransferTally) -> None:
+        self._runq.post(self._req, self.requests[tally.id], "transfer_failed")

@@ -1,0 +1,41 @@
+"""Wire messages between engines and their codec."""
+
+from kvfsm.wire._messages import (
+    MAX_MESSAGE_BYTES,
+    BlockIds,
+    Cancel,
+    CancelAck,
+    Completion,
+    Failure,
+    Grant,
+    Heartbeat,
+    Message,
+    Progress,
+    Registration,
+    WireError,
+    base_request_id,
+    decode,
+    encode,
+    pack_blocks,
+    unpack_blocks,
+)
+
+__all__ = [
+    "MAX_MESSAGE_BYTES",
+    "BlockIds",
+    "Cancel",
+    "CancelAck",
+    "Completion",
+    "Failure",
+    "Grant",
+    "Heartbeat",
+    "Message",
+    "Progress",
+    "Registration",
+    "WireError",
+    "base_request_id",
+    "decode",
+    "encode",
+    "pack_blocks",
+    "unpack_blocks",
+]

@@ -1,0 +1,141 @@
+"""Messages between engines, carried as NIXL notifications, and their codec.
+
+Every message is a tagged msgspec Struct; decoding validates the type of every field and the payload
+size is bounded, so a malformed notification becomes a counted `WireError`, never a crash. Block ids
+travel as packed little-endian int32 (decoding a 2,000-id list as msgpack costs ~55 us, as bytes ~1 us).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "MAX_MESSAGE_BYTES",
+    "BlockIds",
+    "Cancel",
+    "CancelAck",
+    "Completion",
+    "Failure",
+    "Grant",
+    "Heartbeat",
+    "Message",
+    "Progress",
+    "Registration",
+    "WireError",
+    "base_request_id",
+    "decode",
+    "encode",
+    "pack_blocks",
+    "unpack_blocks",
+]
+
+MAX_MESSAGE_BYTES = 1 << 20
+"""Largest notification accepted (a registration of ~260,000 blocks)."""
+
+BlockIds = npt.NDArray[np.int32]
+
+_MAGIC = b"kv1"  # kvfsm wire version 1; anything else is not ours
+
+
+class WireError(ValueError):
+    """A notification could not be decoded: too large, not ours, or malformed."""
+
+
+class _Msg(msgspec.Struct, frozen=True, tag_field="k", forbid_unknown_fields=True):
+    """Fields every message has: the receiver's request id as the sender knows it, the sender's
+    own id for the request, and the sender's rank and TP size."""
+
+    request_id: str
+    sender_request_id: str
+    rank: int
+    tp_size: int
+
+
+class Registration(_Msg, frozen=True, tag="reg"):
+    """D -> P: D's blocks for a request (push: write here; pull: I am about to read)."""
+
+    engine_id: str
+    block_ids: bytes
+
+
+class Grant(_Msg, frozen=True, tag="grant"):
+    """P -> D (pull): read these P blocks now."""
+
+    block_ids: bytes
+
+
+class Progress(_Msg, frozen=True, tag="writing"):
+    """P -> D (push): the registration matched and the WRITE is being posted."""
+
+
+class Completion(_Msg, frozen=True, tag="done"):
+    """Attached to a WRITE (to D) or READ (to P): the sender's transfer completed."""
+
+
+class Failure(_Msg, frozen=True, tag="fail"):
+    """Either way: the request is gone or failed on the sender; stop waiting for it."""
+
+    reason: str
+
+
+class Cancel(_Msg, frozen=True, tag="cancel"):
+    """D -> P: D gave up on the request; push: do not write; pull: nothing is reading."""
+
+
+class CancelAck(_Msg, frozen=True, tag="ack"):
+    """P -> D (push): no WRITE of this request can land any more."""
+
+
+class Heartbeat(msgspec.Struct, frozen=True, tag_field="k", tag="hb", forbid_unknown_fields=True):
+    """D -> P: D still waits for these requests (D's and, when known, P's ids)."""
+
+    request_ids: list[str]
+    rank: int
+
+
+Message = Registration | Grant | Progress | Completion | Failure | Cancel | CancelAck | Heartbeat
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: Message) -> bytes:
+    """Encode a message as a notification payload."""
+    return _MAGIC + _encoder.encode(message)
+
+
+def decode(payload: bytes) -> Message:
+    """Decode a notification payload; raise `WireError` saying why it is rejected."""
+    if len(payload) > MAX_MESSAGE_BYTES:
+        raise WireError(f"notification of {len(payload)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    if not payload.startswith(_MAGIC):
+        raise WireError(f"not a kvfsm v1 notification (starts {payload[:8]!r})")
+    try:
+        message: Message = _decoder.decode(payload[len(_MAGIC) :])
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireError(f"malformed notification: {exc}") from exc
+    if message.rank < 0 or (not isinstance(message, Heartbeat) and message.tp_size < 1):
+        raise WireError(f"notification with impossible rank/tp: {message!r:.200}")
+    if isinstance(message, Registration | Grant) and len(message.block_ids) % 4:
+        raise WireError("block ids are not a whole number of int32")
+    return message
+
+
+def pack_blocks(block_ids: npt.ArrayLike) -> bytes:
+    """Block ids as packed little-endian int32."""
+    return np.asarray(block_ids, dtype="<i4").tobytes()
+
+
+def unpack_blocks(data: bytes) -> BlockIds:
+    """The inverse of `pack_blocks` (a read-only view, no copy)."""
+    return np.frombuffer(data, dtype="<i4")
+
+
+def base_request_id(request_id: str) -> str:
+    """The request id without a trailing ``-<8 hex>`` suffix (where P's and D's ids differ)."""
+    head, sep, tail = request_id.rpartition("-")
+    if sep and len(tail) == 8 and all(c in "0123456789abcdefABCDEF" for c in tail):
+        return head
+    return request_id
