@@ -1,0 +1,5 @@
+"""KV layouts and descriptor math."""
+
+from kvfsm.layout._blocks import BlockLayout
+
+__all__ = ["BlockLayout"]

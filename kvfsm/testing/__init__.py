@@ -1,0 +1,15 @@
+"""Public test tools: a simulated P/D cluster with the safety properties checked, the hypothesis
+state machine over it, and the transition coverage report."""
+
+from kvfsm.testing._cluster import FAST_CONFIG, PairedRequest, SimCluster
+from kvfsm.testing._invariants import COVERAGE, Conformance, Ledger, untaken_transitions
+
+__all__ = [
+    "COVERAGE",
+    "FAST_CONFIG",
+    "Conformance",
+    "Ledger",
+    "PairedRequest",
+    "SimCluster",
+    "untaken_transitions",
+]

@@ -1,0 +1,273 @@
+"""A simulated P/D deployment for tests, the demo and benchmarks: engines on a `SimNetwork`, block
+allocators standing in for the serving engines' schedulers, and the six safety properties checked as
+the engines report what they do."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvfsm.core import (
+    Abort,
+    Admit,
+    Consumer,
+    CoreConfig,
+    Finished,
+    Identity,
+    Mode,
+    NotificationReceived,
+    PrefillFinished,
+    Producer,
+    ReleaseBlocks,
+    ReportFailed,
+    ReportReceived,
+    Side,
+    agent_name,
+)
+from kvfsm.fabric import SimFaults, SimNetwork
+from kvfsm.layout import BlockLayout
+from kvfsm.runtime import CallerOutput, Engine, LocalDirectory
+from kvfsm.testing._invariants import Conformance, Ledger
+
+__all__ = ["FAST_CONFIG", "PairedRequest", "SimCluster"]
+
+FAST_CONFIG = CoreConfig(
+    lease_s=2.0,
+    watchdog_s=2.0,
+    stall_s=1.0,
+    producer_stall_s=2.0,
+    fence_s=3.0,
+    heartbeat_s=0.5,
+    pending_registration_ttl_s=2.0,
+)
+"""Short bounds so a simulated run reaches every deadline in a few simulated seconds."""
+
+
+@dataclass
+class PairedRequest:
+    """One request as both sides see it."""
+
+    key: str
+    p_id: str
+    d_id: str
+    p_blocks: np.ndarray
+    d_blocks: np.ndarray
+    finished_prefill: bool = False
+    final: dict[str, str] = field(default_factory=dict)  # agent -> terminal state
+
+
+class SimCluster:
+    """P and D engines (any TP sizes) on one simulated fabric, with the safety properties checked."""
+
+    def __init__(
+        self,
+        mode: Mode,
+        *,
+        seed: int = 0,
+        faults: SimFaults | None = None,
+        config: CoreConfig = FAST_CONFIG,
+        num_blocks: int = 64,
+        block_bytes: int = 64,
+        p_tp: int = 1,
+        d_tp: int = 1,
+        conformance: bool = True,
+        trace: bool = True,
+    ) -> None:
+        self.mode: Mode = mode
+        self.config = config
+        self.network = SimNetwork(seed, faults)
+        self.directory = LocalDirectory()
+        self.layout = BlockLayout(num_blocks, block_bytes)
+        self.rng = random.Random(seed)
+        self.p_tp, self.d_tp = p_tp, d_tp
+        self.conformance = Conformance() if conformance else None
+        self.trace = trace
+        self.engines: dict[str, Engine] = {}
+        self.dead: set[str] = set()
+        self.requests: dict[str, PairedRequest] = {}
+        self.ledger = Ledger(self)
+        self._free = {"P": list(range(num_blocks)), "D": list(range(num_blocks))}
+        for rank in range(p_tp):
+            self._start("P", rank)
+        for rank in range(d_tp):
+            self._start("D", rank)
+
+    # --- topology ----------------------------------------------------------------------------
+
+    def agents(self, side: str) -> list[str]:
+        """The agent names of one side's ranks."""
+        tp = self.p_tp if side == "P" else self.d_tp
+        return [agent_name(side, r) for r in range(tp)]
+
+    def live(self, side: str) -> Iterator[Engine]:
+        """The live engines of one side."""
+        return (self.engines[a] for a in self.agents(side) if a not in self.dead)
+
+    def _start(self, side: str, rank: int) -> Engine:
+        agent = agent_name(side, rank)
+        tp = self.p_tp if side == "P" else self.d_tp
+        config = msgspec_replace(self.config, trace=self.trace)
+        core: Side = (Producer if side == "P" else Consumer)(
+            Identity(side, rank, tp), self.mode, config
+        )
+        if self.conformance is not None:
+            core.set_recorder(self.conformance.record)
+        fabric = self.network.revive(agent) if agent in self.engines else self.network.agent(agent)
+        kv = np.zeros(self.layout.nbytes, dtype=np.uint8)
+        engine = Engine(core, fabric, kv, self.layout, self.directory, lambda: self.network.now)
+        self.engines[agent] = engine
+        self.directory.publish(agent, engine.info)
+        self.dead.discard(agent)
+        return engine
+
+    def kill(self, agent: str, reset: bool) -> None:
+        """The process of `agent` dies: with `reset`, peers see the connection reset; else silence."""
+        if agent in self.dead:
+            return
+        self.network.kill(agent, reset)
+        self.directory.withdraw(agent)
+        self.dead.add(agent)
+        self.ledger.forget_engine(agent)
+
+    def revive(self, agent: str) -> None:
+        """A new process takes the dead agent's place (new memory, new core)."""
+        if agent in self.dead:
+            side, rank = agent.split("#")
+            self._start(side, int(rank))
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def can_admit(self, n_blocks: int) -> bool:
+        """Whether both allocators have `n_blocks` free."""
+        return min(len(self._free["P"]), len(self._free["D"])) >= n_blocks
+
+    def admit(self, key: str, n_blocks: int, d_cached: int = 0, d_first: bool = False,
+              same_id: bool = False) -> PairedRequest:  # fmt: skip
+        """Admit a request on every rank of both sides; D already holds `d_cached` blocks."""
+        suffix = f"{self.rng.getrandbits(32):08x}"
+        p_id = f"{key}-{suffix}"
+        d_id = p_id if same_id else f"{key}-{self.rng.getrandbits(32):08x}"
+        pr = PairedRequest(
+            key, p_id, d_id, self._alloc("P", n_blocks), self._alloc("D", n_blocks - d_cached)
+        )
+        self.requests[key] = pr
+        self.ledger.admitted(pr)
+        order = (self._admit_d, self._admit_p) if d_first else (self._admit_p, self._admit_d)
+        for admit in order:
+            admit(pr)
+        return pr
+
+    def _admit_p(self, pr: PairedRequest) -> None:
+        for engine in self.live("P"):
+            engine.submit(Admit(pr.p_id, pr.p_blocks))
+        self.collect()
+
+    def _admit_d(self, pr: PairedRequest) -> None:
+        peer_id = pr.p_id if self.mode == "pull" or pr.p_id == pr.d_id else ""
+        for engine in self.live("D"):
+            engine.submit(Admit(pr.d_id, pr.d_blocks, "P", self.p_tp, peer_id))
+        self.collect()
+
+    def finish_prefill(self, key: str) -> None:
+        """P's prefill of `key` is done: its blocks get the request's recognisable bytes."""
+        pr = self.requests[key]
+        if pr.finished_prefill:
+            return
+        pr.finished_prefill = True
+        for engine in self.live("P"):
+            if pr.p_id in engine.side.requests:
+                self._fill(engine, pr)
+            engine.submit(PrefillFinished(pr.p_id, pr.p_blocks))
+        self.collect()
+
+    def abort(self, key: str, side: str) -> None:
+        """The serving engine of `side` aborts `key`."""
+        pr = self.requests[key]
+        for engine in self.live(side):
+            engine.submit(Abort(pr.p_id if side == "P" else pr.d_id))
+        self.collect()
+
+    def inject_garbage(self, agent: str, payload: bytes) -> None:
+        """A malformed notification reaches `agent`."""
+        if agent not in self.dead:
+            self.engines[agent].submit(NotificationReceived("stranger#0", payload))
+            self.collect()
+
+    def pattern(self, pr: PairedRequest, blocks: np.ndarray) -> np.ndarray:
+        """The bytes P's prefill writes into `blocks` of request `pr`."""
+        seed = sum(pr.p_id.encode())
+        row = (np.arange(self.layout.block_bytes, dtype=np.uint32) * 31 + seed).astype(np.uint8)
+        ids = (blocks.astype(np.uint32) * 7 + 1).astype(np.uint8)
+        return row[None, :] ^ ids[:, None]
+
+    def _fill(self, engine: Engine, pr: PairedRequest) -> None:
+        kv = engine.kv.reshape(self.layout.num_blocks, self.layout.block_bytes)
+        kv[pr.p_blocks] = self.pattern(pr, pr.p_blocks)
+
+    # --- time and outputs ------------------------------------------------------------------------
+
+    def step(self, dt: float) -> None:
+        """Advance the clock by `dt`, then let every live engine poll."""
+        self.network.advance(dt)
+        for agent, engine in self.engines.items():
+            if agent not in self.dead:
+                engine.poll()
+        self.collect()
+
+    def collect(self) -> None:
+        """Take every engine's caller outputs and check them against the safety properties."""
+        for agent, engine in self.engines.items():
+            if agent not in self.dead:
+                for output in engine.take_outputs():
+                    self._on_output(agent, output)
+
+    def _on_output(self, agent: str, out: CallerOutput) -> None:
+        pr = self.ledger.request_of(agent, out.request_id)
+        if pr is None:
+            return
+        if isinstance(out, ReleaseBlocks | ReportReceived):
+            self.ledger.released(agent, pr, out)
+        elif isinstance(out, ReportFailed):
+            self.ledger.failed(agent, pr)
+        elif isinstance(out, Finished):
+            pr.final[agent] = out.state
+            self.ledger.finished(agent, pr, out.state)
+
+    def settle(self, horizon: float | None = None) -> None:
+        """Run the clock until every request on live engines ended, up to `horizon` seconds."""
+        c = self.config
+        limit = horizon or 4 * (c.lease_s + c.watchdog_s + c.producer_stall_s + c.fence_s)
+        end = self.network.now + limit
+        while self.network.now < end and not self.quiet():
+            self.step(min(c.heartbeat_s, c.stall_s) / 2)
+
+    def quiet(self) -> bool:
+        """No request left on any live engine and nothing in flight."""
+        return all(not e.side.requests and not e.inflight for e in self.live_engines())
+
+    def live_engines(self) -> Iterator[Engine]:
+        """Every live engine."""
+        return (e for a, e in self.engines.items() if a not in self.dead)
+
+    # --- allocators ------------------------------------------------------------------------------
+
+    def _alloc(self, side: str, n: int) -> np.ndarray:
+        free = self._free[side]
+        if n > len(free):
+            raise RuntimeError(f"{side} has {len(free)} free blocks, {n} asked")
+        picked = [free.pop(self.rng.randrange(len(free))) for _ in range(n)]
+        return np.array(picked, dtype=np.int32)
+
+    def free(self, side: str, blocks: np.ndarray) -> None:
+        """Blocks go back to a side's allocator (called by the ledger once every rank released)."""
+        self._free[side].extend(int(b) for b in blocks)
+
+
+def msgspec_replace(config: CoreConfig, **changes: object) -> CoreConfig:
+    """A copy of `config` with `changes`."""
+    import msgspec
+
+    return msgspec.structs.replace(config, **changes)

@@ -1,0 +1,205 @@
+"""The six safety properties of DESIGN.md, checked on a `SimCluster` as its engines report.
+
+1 terminal, 2 no early free, 3 no late write, 4 no silent corruption, 5 no leak: `Ledger`.
+6 conformance: `Conformance` replays every step the core took through the `transitions` machine.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvfsm.core import ReportReceived, Step
+from kvfsm.lifecycle import MODEL_NAMES, load
+
+if TYPE_CHECKING:
+    from kvfsm.core import ReleaseBlocks
+    from kvfsm.testing._cluster import PairedRequest, SimCluster
+
+__all__ = ["COVERAGE", "Conformance", "Ledger", "untaken_transitions"]
+
+COVERAGE: Counter[tuple[str, str, str, str]] = Counter()
+"""Every (lifecycle, source, event, dest) taken in this process, for the coverage report."""
+
+
+def untaken_transitions() -> list[tuple[str, str, str, str]]:
+    """The model transitions never taken in this process."""
+    return sorted(
+        (name, *edge)
+        for name in MODEL_NAMES
+        for edge in load(name).edges
+        if (name, *edge) not in COVERAGE
+    )
+
+
+class Conformance:
+    """Property 6: every step the core takes is one the `transitions` machine takes too.
+
+    The machine's answer depends only on (lifecycle, state, event, guard values), so each distinct
+    input is replayed through `transitions` once and remembered.
+    """
+
+    def __init__(self) -> None:
+        self.violations: list[str] = []
+        self.steps = 0
+        self._answers: dict[
+            tuple[str, str, str, frozenset[tuple[str, bool]]], tuple[str, list[str]]
+        ] = {}
+
+    def record(self, step: Step) -> None:
+        """Check one step (installed as the core's recorder)."""
+        self.steps += 1
+        COVERAGE[(step.lifecycle, step.source, step.event, step.dest)] += 1
+        key = (step.lifecycle, step.source, step.event, frozenset(step.guards.items()))
+        answer = self._answers.get(key)
+        if answer is None:
+            try:
+                answer = load(step.lifecycle).replay(step.source, step.event, step.guards)
+            except Exception as exc:
+                answer = (f"<machine refused: {exc}>", [])
+            self._answers[key] = answer
+        if answer != (step.dest, list(step.commands)):
+            self.violations.append(
+                f"conformance: {step.lifecycle} {step.instance}: {step.source} --{step.event}--> "
+                f"core took {step.dest} {list(step.commands)}, transitions takes {answer}"
+            )
+
+
+class Ledger:
+    """Properties 1-5, from what the engines tell their caller."""
+
+    def __init__(self, cluster: SimCluster) -> None:
+        self.cluster = cluster
+        self.violations: list[str] = []
+        self._by_id: dict[tuple[str, str], PairedRequest] = {}
+        self._owed: dict[str, set[str]] = {}  # request key -> agents that still owe a release
+        self._released: Counter[tuple[str, str]] = Counter()
+        self._failed: set[tuple[str, str]] = set()
+        self._received: set[tuple[str, str]] = set()
+        self._freed: set[tuple[str, str]] = set()
+        self.finals: Counter[str] = Counter()
+        self.verified_bytes = 0
+
+    def admitted(self, pr: PairedRequest) -> None:
+        """Both sides' live ranks owe one release of the request's blocks."""
+        owed = set()
+        for side, rid in (("P", pr.p_id), ("D", pr.d_id)):
+            for agent in self.cluster.agents(side):
+                if agent not in self.cluster.dead:
+                    self._by_id[(agent, rid)] = pr
+                    owed.add(agent)
+        self._owed[pr.key] = owed
+
+    def request_of(self, agent: str, request_id: str) -> PairedRequest | None:
+        """The paired request an engine's output is about."""
+        return self._by_id.get((agent, request_id))
+
+    def forget_engine(self, agent: str) -> None:
+        """A dead engine's requests died with it: it owes nothing any more."""
+        for key, owed in self._owed.items():
+            if agent in owed:
+                owed.discard(agent)
+                self._maybe_free(self.cluster.requests[key])
+
+    def released(self, agent: str, pr: PairedRequest, out: ReleaseBlocks | ReportReceived) -> None:
+        """An engine handed a request's blocks back: check properties 2, 3, 4, count for 5."""
+        side = agent.split("#")[0]
+        self._released[(agent, pr.key)] += 1
+        if self._released[(agent, pr.key)] > 1:
+            self._violate(f"no leak: {agent} released {pr.key} twice")
+        if side == "P":
+            self._check_no_early_free(agent, pr)
+        else:
+            self._check_no_late_write(agent, pr)
+        if isinstance(out, ReportReceived):
+            self._check_bytes(agent, pr)
+        owed = self._owed.get(pr.key, set())
+        owed.discard(agent)
+        self._maybe_free(pr)
+
+    def failed(self, agent: str, pr: PairedRequest) -> None:
+        """D reported the request's blocks invalid."""
+        if (agent, pr.key) in self._received:
+            self._violate(f"no silent corruption: {agent} reported {pr.key} received, then failed")
+        self._failed.add((agent, pr.key))
+
+    def finished(self, agent: str, pr: PairedRequest, state: str) -> None:
+        """A request ended on an engine: check what it reported matches how it ended."""
+        self.finals[f"{agent.split('#')[0]}:{state}"] += 1
+        if self._released[(agent, pr.key)] != 1:
+            self._violate(f"no leak: {agent} ended {pr.key} ({state}) without releasing once")
+        if agent.startswith("D"):
+            received = (agent, pr.key) in self._received
+            failed = (agent, pr.key) in self._failed
+            if (state == "done") != received:
+                self._violate(
+                    f"no silent corruption: {agent} {pr.key} {state}, received={received}"
+                )
+            if state in ("failed", "expired") and not failed:
+                self._violate(
+                    f"no silent corruption: {agent} {pr.key} {state} without invalid blocks"
+                )
+
+    def quiescence(self) -> list[str]:
+        """Properties 1 and 5 once the cluster settled: nothing live, nothing owed, nothing held."""
+        problems = list(self.violations)
+        for key, owed in self._owed.items():
+            for agent in owed:
+                problems.append(f"terminal/no leak: {agent} never released {key}")
+        for engine in self.cluster.live_engines():
+            side = engine.side
+            if side.requests:
+                states = {rid: r.state for rid, r in list(side.requests.items())[:5]}
+                problems.append(f"terminal: {engine.agent} still holds {states}")
+            if engine.inflight or len(side.deadlines):
+                problems.append(f"no leak: {engine.agent} holds transfers or deadlines")
+        return problems
+
+    # --- the checks ------------------------------------------------------------------------------
+
+    def _check_no_early_free(self, agent: str, pr: PairedRequest) -> None:
+        for engine in self.cluster.live_engines():
+            for flight in engine.inflight.values():
+                reads_p = (engine.agent == agent and flight.request_id == pr.p_id) or (
+                    flight.peer == agent and flight.request_id == pr.d_id
+                )
+                if reads_p:
+                    self._violate(f"no early free: {agent} freed {pr.key} under {flight.op}")
+
+    def _check_no_late_write(self, agent: str, pr: PairedRequest) -> None:
+        for engine in self.cluster.live_engines():
+            for flight in engine.inflight.values():
+                into_d = (flight.peer == agent and flight.request_id == pr.p_id) or (
+                    engine.agent == agent and flight.request_id == pr.d_id
+                )
+                if into_d:
+                    self._violate(f"no late write: {agent} released {pr.key} under {flight.op}")
+
+    def _check_bytes(self, agent: str, pr: PairedRequest) -> None:
+        self._received.add((agent, pr.key))
+        if (agent, pr.key) in self._failed:
+            self._violate(f"no silent corruption: {agent} reported {pr.key} failed, then received")
+        n = len(pr.d_blocks)
+        if n == 0:
+            return
+        layout = self.cluster.layout
+        kv = self.cluster.engines[agent].kv.reshape(layout.num_blocks, layout.block_bytes)
+        expected = self.cluster.pattern(pr, pr.p_blocks[len(pr.p_blocks) - n :])
+        if not np.array_equal(kv[pr.d_blocks], expected):
+            self._violate(f"no silent corruption: {agent} received wrong bytes for {pr.key}")
+        else:
+            self.verified_bytes += expected.nbytes
+
+    def _maybe_free(self, pr: PairedRequest) -> None:
+        owed = self._owed.get(pr.key)
+        if owed is None:
+            return
+        for side, blocks in (("P", pr.p_blocks), ("D", pr.d_blocks)):
+            if not any(a.startswith(side) for a in owed) and (pr.key, side) not in self._freed:
+                self._freed.add((pr.key, side))
+                self.cluster.free(side, blocks)
+
+    def _violate(self, message: str) -> None:
+        self.violations.append(message)
