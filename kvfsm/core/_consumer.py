@@ -46,6 +46,7 @@ class ProducerLink(msgspec.Struct, gc=False):
     agent: str
     request_id: str = ""  # P's id for the request, once known
     block_ids: BlockIds = _NO_BLOCKS
+    deadline: float = 0.0  # push: what D told P (no WRITE after); pull: P's grant deadline
     transfer_id: int = 0
 
 
@@ -153,8 +154,14 @@ class Consumer(Side):
         if link.transfer_id:
             self._count_error("duplicate", f"grant for {req.id!r} from {sender}")
             return
+        if self._now + self.config.stall_s > msg.deadline:
+            # Too late to read safely: P may release its blocks before a READ posted now ends.
+            self._count_error("grant_expired", f"grant for {req.id!r} from {sender}")
+            self._fire_from_peer(req, "peer_failed")
+            return
         link.request_id = msg.sender_request_id
         link.block_ids = unpack_blocks(msg.block_ids)
+        link.deadline = msg.deadline
         self._fire_from_peer(req, "peer_granted")
 
     def _result_from_peer(self, req: Request, sender: str, ok: bool) -> None:
@@ -173,16 +180,24 @@ class Consumer(Side):
         self._arm(req, "arm_stall", self.config.stall_s)
 
     def _req_cmd_arm_fence(self, req: Request) -> None:
-        self._arm(req, "arm_fence", self.config.fence_s)
+        # P posts no WRITE after the deadline in our registration and cancels any by its stall
+        # bound: past both, nothing can land, whatever was lost on the way.
+        last_write = (
+            max(link.deadline for link in req.links.values()) + self.config.producer_stall_s
+        )
+        at = max(self._now + self.config.fence_s, last_write)
+        self.deadlines.arm(req.id, at, self._deadline_events["arm_fence"])
 
     def _req_cmd_send_registration(self, req: Request) -> None:
         me = self.identity
         blocks = pack_blocks(req.blocks)
-        for agent in req.peers:
+        deadline = self._now + self.config.watchdog_s
+        for link in req.links.values():
+            link.deadline = deadline
             reg = Registration(
-                req.peer_request_id, req.id, me.rank, me.tp_size, me.engine_id, blocks
+                req.peer_request_id, req.id, me.rank, me.tp_size, me.engine_id, blocks, deadline
             )
-            self._send(agent, reg)
+            self._send(link.agent, reg)
 
     def _req_cmd_send_cancel(self, req: Request) -> None:
         me = self.identity

@@ -37,6 +37,7 @@ class ConsumerLink(msgspec.Struct, gc=False):
     agent: str
     request_id: str  # D's id for the request
     block_ids: BlockIds
+    deadline: float = 0.0  # push: no WRITE may be posted at or after this time
     transfer_id: int = 0  # push: the WRITE posted to this rank
     granted: bool = False  # pull: the grant was sent
 
@@ -269,10 +270,14 @@ class Producer(Side):
 
     def _req_cmd_grant_read(self, req: Request) -> None:
         blocks = pack_blocks(req.blocks)
+        # D's READ, cancelled at worst `stall_s` after it is posted, must end before P may release
+        # the blocks (`producer_stall_s` from now): D posts only before this deadline.
+        deadline = self._now + self.config.producer_stall_s - self.config.stall_s
         for link in req.links.values():
             if not link.granted and self._connected((link.agent,)):
                 link.granted = True
-                self._send(link.agent, Grant(link.request_id, req.id, *self._me, blocks))
+                grant = Grant(link.request_id, req.id, *self._me, blocks, deadline)
+                self._send(link.agent, grant)
 
     def _req_cmd_drop_registration(self, req: Request) -> None:
         link = req.links.pop(self._sender, None)

@@ -130,6 +130,7 @@ class Side:
             TransferResult: self._on_transfer_result,
         }
         self._messages: dict[type, Callable[[Any, str], None]] = {}
+        self.shut_down = False
 
     # --- the interface ------------------------------------------------------------------------
 
@@ -177,6 +178,7 @@ class Side:
                 self._runq.drain(self._now, self._alive)
 
     def _on_shutdown(self, _event: Shutdown) -> None:
+        self.shut_down = True
         for req in list(self.requests.values()):
             if req.state in self._req.lifecycle.terminal:
                 continue
@@ -228,6 +230,8 @@ class Side:
             self._count_error("protocol_error", str(exc))
 
     def _new_request(self, request_id: str, blocks: BlockIds) -> Request:
+        if self.shut_down:
+            raise RuntimeError(f"{self.side} is shut down: cannot admit {request_id!r}")
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already admitted on {self.side}")
         req = Request(request_id, self._req.lifecycle.initial, blocks, self.config.trace)

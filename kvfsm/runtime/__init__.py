@@ -1,6 +1,6 @@
 """The runtime: engines that drive the core and execute its commands on a fabric."""
 
-from kvfsm.runtime._directory import LocalDirectory
+from kvfsm.runtime._directory import DirectoryView, LocalDirectory
 from kvfsm.runtime._engine import (
     CallerOutput,
     Directory,
@@ -13,6 +13,7 @@ from kvfsm.runtime._engine import (
 __all__ = [
     "CallerOutput",
     "Directory",
+    "DirectoryView",
     "Engine",
     "HandshakeError",
     "InFlight",

@@ -7,15 +7,23 @@ from collections.abc import Callable
 
 from kvfsm.runtime._engine import HandshakeError, PeerInfo
 
-__all__ = ["LocalDirectory"]
+__all__ = ["DirectoryView", "LocalDirectory"]
 
 
 class LocalDirectory:
-    """Engines publish how to reach them; a handshake looks the peer up."""
+    """Engines publish how to reach them; a handshake looks the peer up after `latency` seconds of
+    `clock`. One directory serves every engine of a simulated cluster; each engine gets its own
+    `view`, which keeps that engine's handshakes."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = lambda: 0.0, latency: float = 0.0) -> None:
         self._engines: dict[str, Callable[[], PeerInfo]] = {}
         self._failures: Counter[str] = Counter()
+        self._clock = clock
+        self._latency = latency
+
+    def view(self) -> DirectoryView:
+        """A per-engine handle implementing the runtime's `Directory` protocol."""
+        return DirectoryView(self)
 
     def publish(self, agent: str, info: Callable[[], PeerInfo]) -> None:
         """Make `agent` reachable; `info` is called at each handshake (metadata may change)."""
@@ -29,7 +37,7 @@ class LocalDirectory:
         """Make the next `times` handshakes with `peer` fail."""
         self._failures[peer] += times
 
-    def handshake(self, peer: str) -> PeerInfo:
+    def lookup(self, peer: str) -> PeerInfo:
         """`peer`'s information, or `HandshakeError` if it is unknown or a failure is scripted."""
         if self._failures[peer] > 0:
             self._failures[peer] -= 1
@@ -38,3 +46,28 @@ class LocalDirectory:
         if info is None:
             raise HandshakeError(f"nothing listens for {peer!r}")
         return info()
+
+
+class DirectoryView:
+    """One engine's handshakes through a `LocalDirectory`."""
+
+    def __init__(self, directory: LocalDirectory) -> None:
+        self._directory = directory
+        self._started: list[tuple[float, str]] = []
+
+    def start(self, peer: str) -> None:
+        """Begin a handshake with `peer`; it finishes after the directory's latency."""
+        self._started.append((self._directory._clock() + self._directory._latency, peer))
+
+    def results(self) -> list[tuple[str, PeerInfo | HandshakeError]]:
+        """The handshakes whose latency has passed."""
+        now = self._directory._clock()
+        due = [p for t, p in self._started if t <= now]
+        self._started = [(t, p) for t, p in self._started if t > now]
+        out: list[tuple[str, PeerInfo | HandshakeError]] = []
+        for peer in due:
+            try:
+                out.append((peer, self._directory.lookup(peer)))
+            except HandshakeError as exc:
+                out.append((peer, exc))
+        return out

@@ -59,10 +59,15 @@ class HandshakeError(Exception):
 
 
 class Directory(Protocol):
-    """How an engine reaches its peers' handshake information."""
+    """How an engine reaches its peers' handshake information (asynchronously: a real side channel
+    runs handshakes off the engine's thread)."""
 
-    def handshake(self, peer: str) -> PeerInfo:
-        """Return `peer`'s information or raise `HandshakeError`."""
+    def start(self, peer: str) -> None:
+        """Begin a handshake with `peer`."""
+        ...
+
+    def results(self) -> list[tuple[str, PeerInfo | HandshakeError]]:
+        """Handshakes finished since the last call: the peer's information or why it failed."""
         ...
 
 
@@ -128,6 +133,8 @@ class Engine:
 
     def poll(self) -> None:
         """Drain notifications, check in-flight transfers and fire due deadlines."""
+        for peer, result in self.directory.results():
+            self._connect(peer, result)
         for sender, messages in self._notifications().items():
             for payload in messages:
                 self.submit(NotificationReceived(sender, payload))
@@ -166,15 +173,17 @@ class Engine:
         elif isinstance(command, CancelTransfer):
             self._cancel(command.transfer_id)
         elif isinstance(command, StartHandshake):
-            self._handshake(command.peer)
+            self.directory.start(command.peer)
         elif isinstance(command, RemoveAgent):
             self._forget_peer(command.peer)
         else:  # pragma: no cover - the Command union is closed
             raise TypeError(f"unknown command {command!r}")
 
-    def _handshake(self, peer: str) -> None:
+    def _connect(self, peer: str, result: PeerInfo | HandshakeError) -> None:
         try:
-            info = self.directory.handshake(peer)
+            if isinstance(result, HandshakeError):
+                raise result
+            info = result
             if info.agent != peer:
                 raise HandshakeError(f"asked for {peer!r}, {info.agent!r} answered")
             self._forget_peer(peer)

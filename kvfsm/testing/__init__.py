@@ -3,13 +3,16 @@ state machine over it, and the transition coverage report."""
 
 from kvfsm.testing._cluster import FAST_CONFIG, PairedRequest, SimCluster
 from kvfsm.testing._invariants import COVERAGE, Conformance, Ledger, untaken_transitions
+from kvfsm.testing._stateful import LifecycleMachine, machine_for
 
 __all__ = [
     "COVERAGE",
     "FAST_CONFIG",
     "Conformance",
     "Ledger",
+    "LifecycleMachine",
     "PairedRequest",
     "SimCluster",
+    "machine_for",
     "untaken_transitions",
 ]

@@ -24,6 +24,7 @@ from kvfsm.core import (
     ReleaseBlocks,
     ReportFailed,
     ReportReceived,
+    Shutdown,
     Side,
     agent_name,
 )
@@ -74,12 +75,13 @@ class SimCluster:
         p_tp: int = 1,
         d_tp: int = 1,
         conformance: bool = True,
+        handshake_latency: float = 1e-3,
         trace: bool = True,
     ) -> None:
         self.mode: Mode = mode
         self.config = config
         self.network = SimNetwork(seed, faults)
-        self.directory = LocalDirectory()
+        self.directory = LocalDirectory(lambda: self.network.now, handshake_latency)
         self.layout = BlockLayout(num_blocks, block_bytes)
         self.rng = random.Random(seed)
         self.p_tp, self.d_tp = p_tp, d_tp
@@ -117,7 +119,8 @@ class SimCluster:
             core.set_recorder(self.conformance.record)
         fabric = self.network.revive(agent) if agent in self.engines else self.network.agent(agent)
         kv = np.zeros(self.layout.nbytes, dtype=np.uint8)
-        engine = Engine(core, fabric, kv, self.layout, self.directory, lambda: self.network.now)
+        view = self.directory.view()
+        engine = Engine(core, fabric, kv, self.layout, view, lambda: self.network.now)
         self.engines[agent] = engine
         self.directory.publish(agent, engine.info)
         self.dead.discard(agent)
@@ -171,16 +174,18 @@ class SimCluster:
             engine.submit(Admit(pr.d_id, pr.d_blocks, "P", self.p_tp, peer_id))
         self.collect()
 
-    def finish_prefill(self, key: str) -> None:
-        """P's prefill of `key` is done: its blocks get the request's recognisable bytes."""
+    def finish_prefill(self, key: str, without_blocks: bool = False) -> None:
+        """P's prefill of `key` is done: its blocks get the request's recognisable bytes. With
+        `without_blocks`, P ends up with no KV for it (D then must not report success)."""
         pr = self.requests[key]
         if pr.finished_prefill:
             return
         pr.finished_prefill = True
+        blocks = pr.p_blocks[:0] if without_blocks else pr.p_blocks
         for engine in self.live("P"):
             if pr.p_id in engine.side.requests:
                 self._fill(engine, pr)
-            engine.submit(PrefillFinished(pr.p_id, pr.p_blocks))
+            engine.submit(PrefillFinished(pr.p_id, blocks))
         self.collect()
 
     def abort(self, key: str, side: str) -> None:
@@ -189,6 +194,15 @@ class SimCluster:
         for engine in self.live(side):
             engine.submit(Abort(pr.p_id if side == "P" else pr.d_id))
         self.collect()
+
+    def shutdown(self) -> None:
+        """Shut every live engine down, let them drain, and close them."""
+        for engine in self.live_engines():
+            engine.submit(Shutdown())
+        self.collect()
+        self.settle()
+        for engine in self.live_engines():
+            engine.close()
 
     def inject_garbage(self, agent: str, payload: bytes) -> None:
         """A malformed notification reaches `agent`."""

@@ -12,10 +12,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvfsm.core import ReportReceived, Step
+from kvfsm.fabric import FabricError
 from kvfsm.lifecycle import MODEL_NAMES, load
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from kvfsm.core import ReleaseBlocks
+    from kvfsm.runtime import Engine, InFlight
     from kvfsm.testing._cluster import PairedRequest, SimCluster
 
 __all__ = ["COVERAGE", "Conformance", "Ledger", "untaken_transitions"]
@@ -159,23 +163,32 @@ class Ledger:
 
     # --- the checks ------------------------------------------------------------------------------
 
-    def _check_no_early_free(self, agent: str, pr: PairedRequest) -> None:
+    def _moving(self) -> Iterator[tuple[Engine, InFlight]]:
+        """Transfers the fabric still moves (an engine may not have polled a finished one yet)."""
         for engine in self.cluster.live_engines():
             for flight in engine.inflight.values():
-                reads_p = (engine.agent == agent and flight.request_id == pr.p_id) or (
-                    flight.peer == agent and flight.request_id == pr.d_id
-                )
-                if reads_p:
-                    self._violate(f"no early free: {agent} freed {pr.key} under {flight.op}")
+                try:
+                    moving = engine.fabric.check_xfer_state(flight.handle) == "PROC"
+                except FabricError:
+                    moving = False
+                if moving:
+                    yield engine, flight
+
+    def _check_no_early_free(self, agent: str, pr: PairedRequest) -> None:
+        for engine, flight in self._moving():
+            reads_p = (engine.agent == agent and flight.request_id == pr.p_id) or (
+                flight.peer == agent and flight.request_id == pr.d_id
+            )
+            if reads_p:
+                self._violate(f"no early free: {agent} freed {pr.key} under {flight.op}")
 
     def _check_no_late_write(self, agent: str, pr: PairedRequest) -> None:
-        for engine in self.cluster.live_engines():
-            for flight in engine.inflight.values():
-                into_d = (flight.peer == agent and flight.request_id == pr.p_id) or (
-                    engine.agent == agent and flight.request_id == pr.d_id
-                )
-                if into_d:
-                    self._violate(f"no late write: {agent} released {pr.key} under {flight.op}")
+        for engine, flight in self._moving():
+            into_d = (flight.peer == agent and flight.request_id == pr.p_id) or (
+                engine.agent == agent and flight.request_id == pr.d_id
+            )
+            if into_d:
+                self._violate(f"no late write: {agent} released {pr.key} under {flight.op}")
 
     def _check_bytes(self, agent: str, pr: PairedRequest) -> None:
         self._received.add((agent, pr.key))

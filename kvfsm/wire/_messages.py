@@ -54,16 +54,20 @@ class _Msg(msgspec.Struct, frozen=True, tag_field="k", forbid_unknown_fields=Tru
 
 
 class Registration(_Msg, frozen=True, tag="reg"):
-    """D -> P: D's blocks for a request (push: write here; pull: I am about to read)."""
+    """D -> P: D's blocks for a request (push: write here; pull: I am about to read). Push: P
+    must not post a WRITE at or after `deadline` (D's clock), so D can bound its fence."""
 
     engine_id: str
     block_ids: bytes
+    deadline: float
 
 
 class Grant(_Msg, frozen=True, tag="grant"):
-    """P -> D (pull): read these P blocks now."""
+    """P -> D (pull): read these P blocks now. D must not post a READ it could not finish (cancel)
+    before `deadline` (P's clock): P may release the blocks after it."""
 
     block_ids: bytes
+    deadline: float
 
 
 class Progress(_Msg, frozen=True, tag="writing"):
@@ -114,7 +118,7 @@ def decode(payload: bytes) -> Message:
         raise WireError(f"not a kvfsm v1 notification (starts {payload[:8]!r})")
     try:
         message: Message = _decoder.decode(payload[len(_MAGIC) :])
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.MsgspecError, ValueError) as exc:  # ValueError: e.g. invalid UTF-8 in a str
         raise WireError(f"malformed notification: {exc}") from exc
     if message.rank < 0 or (not isinstance(message, Heartbeat) and message.tp_size < 1):
         raise WireError(f"notification with impossible rank/tp: {message!r:.200}")

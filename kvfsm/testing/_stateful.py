@@ -1,0 +1,155 @@
+"""The hypothesis state machine over a simulated P/D cluster: every event and fault as a rule, the six
+safety properties checked after every step, quiescence checked at the end of every example."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import hypothesis.strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvfsm.core import Mode
+from kvfsm.fabric import SimFaults
+from kvfsm.testing._cluster import SimCluster
+
+__all__ = ["LifecycleMachine", "machine_for"]
+
+_STEPS = (0.0, 1e-4, 1e-3, 0.05, 0.6, 1.5, 3.5)  # spans notification latency .. every deadline
+_POST_FAULTS = ("fail_post", "err", "stuck", "delay")
+_FAULTS = (
+    *_POST_FAULTS,
+    "drop",
+    "duplicate",
+    "delay_notif",
+    "hold",
+    "release",
+    "reorder",
+    "handshake",
+)
+
+
+class LifecycleMachine(RuleBasedStateMachine):
+    """P and D engines on `SimFabric` driven through admits, prefills, aborts, time and faults."""
+
+    mode: ClassVar[Mode] = "push"
+    p_tp: ClassVar[int] = 1
+    d_tp: ClassVar[int] = 1
+    faults: ClassVar[SimFaults | None] = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cluster = SimCluster(
+            self.mode, p_tp=self.p_tp, d_tp=self.d_tp, faults=self.faults, num_blocks=24
+        )
+        self.count = 0
+        self.agents = self.cluster.agents("P") + self.cluster.agents("D")
+
+    # --- requests --------------------------------------------------------------------------------
+
+    @rule(
+        n=st.integers(0, 4),
+        cached=st.integers(0, 4),
+        d_first=st.booleans(),
+        same_id=st.booleans(),
+    )
+    def admit(self, n: int, cached: int, d_first: bool, same_id: bool) -> None:
+        """A request arrives at both engines (D first or P first), D maybe holding a prefix."""
+        if self.cluster.can_admit(n):
+            self.count += 1
+            self.cluster.admit(f"r{self.count}", n, min(cached, n), d_first, same_id)
+
+    @precondition(lambda self: self.cluster.requests)
+    @rule(data=st.data(), without_blocks=st.sampled_from([False] * 7 + [True]))
+    def finish_prefill(self, data: st.DataObject, without_blocks: bool) -> None:
+        """P's prefill of some request finishes (rarely leaving P with no KV for it)."""
+        key = data.draw(st.sampled_from(sorted(self.cluster.requests)))
+        self.cluster.finish_prefill(key, without_blocks)
+
+    @precondition(lambda self: self.cluster.requests)
+    @rule(data=st.data(), side=st.sampled_from(["P", "D"]))
+    def abort(self, data: st.DataObject, side: str) -> None:
+        """The serving engine of one side aborts some request, in whatever state it is."""
+        self.cluster.abort(data.draw(st.sampled_from(sorted(self.cluster.requests))), side)
+
+    @rule(dt=st.sampled_from(_STEPS))
+    def advance(self, dt: float) -> None:
+        """Time passes; every engine polls."""
+        self.cluster.step(dt)
+
+    # --- faults ----------------------------------------------------------------------------------
+
+    @precondition(lambda self: len(self.cluster.dead) < len(self.agents))
+    @rule(data=st.data(), kind=st.sampled_from(_FAULTS))
+    def fault(self, data: st.DataObject, kind: str) -> None:
+        """One fault aimed at a live agent: its next notification dropped, duplicated or delayed,
+        its notifications held or released (possibly reversed), its next post failing, ending in
+        ERR, hanging or lagging, or its next handshake failing."""
+        agent = self._live_agent(data)
+        net = self.cluster.network
+        if kind in _POST_FAULTS:
+            net.inject_next_post(agent, kind)  # type: ignore[arg-type]
+        elif kind == "drop":
+            net.drop_next_notif(agent)
+        elif kind == "duplicate":
+            net.duplicate_next_notif(agent)
+        elif kind == "delay_notif":
+            net.delay_next_notif(agent, data.draw(st.sampled_from([1e-3, 0.7, 2.5])))
+        elif kind == "hold":
+            net.hold_notifs(agent)
+        elif kind in ("release", "reorder"):
+            net.release_held(agent, reverse=kind == "reorder")
+        else:
+            self.cluster.directory.fail_next(agent)
+
+    @rule(data=st.data(), action=st.sampled_from(["kill", "cut", "revive"]))
+    def peer_fault(self, data: st.DataObject, action: str) -> None:
+        """An engine dies (its host resetting connections), goes silent, or is replaced."""
+        if action == "revive":
+            if self.cluster.dead:
+                self.cluster.revive(data.draw(st.sampled_from(sorted(self.cluster.dead))))
+        else:
+            self.cluster.kill(data.draw(st.sampled_from(self.agents)), reset=action == "kill")
+
+    @rule(data=st.data(), payload=st.binary(max_size=48))
+    def garbage(self, data: st.DataObject, payload: bytes) -> None:
+        """A malformed notification arrives (raw bytes, or ours with a corrupted body)."""
+        agent = data.draw(st.sampled_from(self.agents))
+        prefix = data.draw(st.sampled_from([b"", b"kv1", b"kv1\x85\xa1k\xa4done"]))
+        self.cluster.inject_garbage(agent, prefix + payload)
+
+    def _live_agent(self, data: st.DataObject) -> str:
+        live = [a for a in self.agents if a not in self.cluster.dead]
+        return data.draw(st.sampled_from(live or self.agents))
+
+    # --- properties ------------------------------------------------------------------------------
+
+    @invariant()
+    def safe(self) -> None:
+        """Properties 2-6 hold after every step."""
+        problems = self.cluster.ledger.violations + self._conformance()
+        assert not problems, "\n".join(problems[:10])
+
+    def teardown(self) -> None:
+        """Properties 1 and 5: once every prefill is over (the serving engine's part) and time runs
+        past every bound, everything ended and was released."""
+        for key in sorted(self.cluster.requests):
+            self.cluster.finish_prefill(key)
+        self.cluster.settle()
+        problems = self.cluster.ledger.quiescence() + self._conformance()
+        assert not problems, "\n".join(problems[:10])
+        self.cluster.shutdown()
+        problems = self.cluster.ledger.quiescence() + self._conformance()
+        assert not problems, "\n".join(problems[:10])
+
+    def _conformance(self) -> list[str]:
+        c = self.cluster.conformance
+        return c.violations if c is not None else []
+
+
+def machine_for(
+    mode: Mode, p_tp: int = 1, d_tp: int = 1, faults: SimFaults | None = None
+) -> type[LifecycleMachine]:
+    """A `LifecycleMachine` subclass for one mode, TP pair and background fault mix."""
+    name = f"LifecycleMachine_{mode}_{p_tp}x{d_tp}"
+    attrs = {"mode": mode, "p_tp": p_tp, "d_tp": d_tp, "faults": faults}
+    return type(name, (LifecycleMachine,), attrs)
