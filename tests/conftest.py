@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, settings
 _COMMON = {
     "deadline": None,
     "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
-    "stateful_step_count": 40,
+    "stateful_step_count": 50,
 }
-settings.register_profile("ci", derandomize=True, max_examples=150, print_blob=True, **_COMMON)
+settings.register_profile("ci", derandomize=True, max_examples=300, print_blob=True, **_COMMON)
 settings.register_profile("dev", max_examples=40, **_COMMON)
 settings.register_profile("soak", max_examples=2500, **_COMMON)
 _default = "ci" if os.environ.get("CI") else "dev"

@@ -154,7 +154,7 @@ class Consumer(Side):
         if link.transfer_id:
             self._count_error("duplicate", f"grant for {req.id!r} from {sender}")
             return
-        if self._now + self.config.stall_s > msg.deadline:
+        if self._now > msg.deadline:
             # Too late to read safely: P may release its blocks before a READ posted now ends.
             self._count_error("grant_expired", f"grant for {req.id!r} from {sender}")
             self._fire_from_peer(req, "peer_failed")

@@ -187,9 +187,8 @@ class Producer(Side):
         if sender in req.links:
             self._count_error("duplicate", f"registration for {req.id!r} from {sender}")
             return
-        req.links[sender] = ConsumerLink(
-            sender, msg.sender_request_id, unpack_blocks(msg.block_ids)
-        )
+        blocks = unpack_blocks(msg.block_ids)
+        req.links[sender] = ConsumerLink(sender, msg.sender_request_id, blocks, msg.deadline)
         req.peers.append(sender)
         req.tally.expected = expected
         self._by_consumer[(sender, msg.sender_request_id)] = req
@@ -247,11 +246,13 @@ class Producer(Side):
             link.transfer_id = tid = self._new_transfer_id()
             self._transfers[tid] = (req.id, link.agent)
             n = len(link.block_ids)
-            if n > len(req.blocks):
-                # D asked for more blocks than P has: a failed transfer, never a partial success.
-                self._count_error(
-                    "rejected", f"{req.id}: D wants {n} blocks, P has {len(req.blocks)}"
-                )
+            problem = ""
+            if n > len(req.blocks):  # never a partial success
+                problem = f"D wants {n} blocks, P has {len(req.blocks)}"
+            elif self._now >= link.deadline:  # D may have given up and be fencing already
+                problem = "D's registration deadline passed"
+            if problem:
+                self._count_error("rejected", f"{req.id}: {problem}")
                 self._transfers.pop(tid)
                 self._tally_result(req, link.agent, False)
                 continue

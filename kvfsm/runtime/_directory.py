@@ -18,6 +18,7 @@ class LocalDirectory:
     def __init__(self, clock: Callable[[], float] = lambda: 0.0, latency: float = 0.0) -> None:
         self._engines: dict[str, Callable[[], PeerInfo]] = {}
         self._failures: Counter[str] = Counter()
+        self._hangs: Counter[str] = Counter()
         self._clock = clock
         self._latency = latency
 
@@ -36,6 +37,10 @@ class LocalDirectory:
     def fail_next(self, peer: str, times: int = 1) -> None:
         """Make the next `times` handshakes with `peer` fail."""
         self._failures[peer] += times
+
+    def hang_next(self, peer: str, times: int = 1) -> None:
+        """Make the next `times` handshakes with `peer` answer only after a minute."""
+        self._hangs[peer] += times
 
     def lookup(self, peer: str) -> PeerInfo:
         """`peer`'s information, or `HandshakeError` if it is unknown or a failure is scripted."""
@@ -57,7 +62,12 @@ class DirectoryView:
 
     def start(self, peer: str) -> None:
         """Begin a handshake with `peer`; it finishes after the directory's latency."""
-        self._started.append((self._directory._clock() + self._directory._latency, peer))
+        d = self._directory
+        delay = d._latency
+        if d._hangs[peer] > 0:
+            d._hangs[peer] -= 1
+            delay = 60.0
+        self._started.append((d._clock() + delay, peer))
 
     def results(self) -> list[tuple[str, PeerInfo | HandshakeError]]:
         """The handshakes whose latency has passed."""

@@ -58,18 +58,31 @@ class LifecycleMachine(RuleBasedStateMachine):
             self.count += 1
             self.cluster.admit(f"r{self.count}", n, min(cached, n), d_first, same_id)
 
-    @precondition(lambda self: self.cluster.requests)
+    @precondition(lambda self: self._prefilling())
     @rule(data=st.data(), without_blocks=st.sampled_from([False] * 7 + [True]))
     def finish_prefill(self, data: st.DataObject, without_blocks: bool) -> None:
         """P's prefill of some request finishes (rarely leaving P with no KV for it)."""
-        key = data.draw(st.sampled_from(sorted(self.cluster.requests)))
-        self.cluster.finish_prefill(key, without_blocks)
+        self.cluster.finish_prefill(data.draw(st.sampled_from(self._prefilling())), without_blocks)
 
-    @precondition(lambda self: self.cluster.requests)
+    @precondition(lambda self: self._active("P") or self._active("D"))
     @rule(data=st.data(), side=st.sampled_from(["P", "D"]))
     def abort(self, data: st.DataObject, side: str) -> None:
-        """The serving engine of one side aborts some request, in whatever state it is."""
-        self.cluster.abort(data.draw(st.sampled_from(sorted(self.cluster.requests))), side)
+        """The serving engine of one side aborts some request it still works on, in any state."""
+        keys = self._active(side) or sorted(self.cluster.requests)
+        self.cluster.abort(data.draw(st.sampled_from(keys)), side)
+
+    def _prefilling(self) -> list[str]:
+        return [k for k, pr in sorted(self.cluster.requests.items()) if not pr.finished_prefill]
+
+    def _active(self, side: str) -> list[str]:
+        """Requests still live on some engine of `side`."""
+        live = [e.side.requests for e in self.cluster.live(side)]
+        attr = "p_id" if side == "P" else "d_id"
+        return [
+            k
+            for k, pr in sorted(self.cluster.requests.items())
+            if any(getattr(pr, attr) in reqs for reqs in live)
+        ]
 
     @rule(dt=st.sampled_from(_STEPS))
     def advance(self, dt: float) -> None:
@@ -83,7 +96,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     def fault(self, data: st.DataObject, kind: str) -> None:
         """One fault aimed at a live agent: its next notification dropped, duplicated or delayed,
         its notifications held or released (possibly reversed), its next post failing, ending in
-        ERR, hanging or lagging, or its next handshake failing."""
+        ERR, hanging or lagging, or its next handshake failing or hanging."""
         agent = self._live_agent(data)
         net = self.cluster.network
         if kind in _POST_FAULTS:
@@ -98,6 +111,8 @@ class LifecycleMachine(RuleBasedStateMachine):
             net.hold_notifs(agent)
         elif kind in ("release", "reorder"):
             net.release_held(agent, reverse=kind == "reorder")
+        elif kind == "hang":
+            self.cluster.directory.hang_next(agent)
         else:
             self.cluster.directory.fail_next(agent)
 

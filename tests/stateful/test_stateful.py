@@ -7,9 +7,9 @@ from kvfsm.fabric import SimFaults
 from kvfsm.testing import machine_for
 
 # Transfers that stay in flight a while, so aborts, cancels and deaths land mid-transfer.
-_SLOW = SimFaults(transfer_latency=0.002)
+_SLOW = SimFaults(transfer_latency=0.25)
 _NOISY = SimFaults(
-    transfer_latency=0.002,
+    transfer_latency=0.05,
     drop_notif=0.02,
     duplicate_notif=0.02,
     delay_notif=0.05,
@@ -22,3 +22,5 @@ TestPushSlow = machine_for("push", faults=_SLOW).TestCase
 TestPullSlow = machine_for("pull", faults=_SLOW).TestCase
 TestPushOneToTwo = machine_for("push", 1, 2, _NOISY).TestCase
 TestPullTwoToOne = machine_for("pull", 2, 1, _NOISY).TestCase
+TestPushTwoToOne = machine_for("push", 2, 1, _SLOW).TestCase
+TestPullOneToTwo = machine_for("pull", 1, 2, _SLOW).TestCase
