@@ -187,6 +187,7 @@ class Tombstones:
     def add(self, key: str, state: str) -> None:
         """Remember that `key` ended in `state`; forget the oldest beyond capacity."""
         self._ended[key] = state
+        self._ended.move_to_end(key)
         if len(self._ended) > self._capacity:
             self._ended.popitem(last=False)
 

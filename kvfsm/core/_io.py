@@ -184,10 +184,12 @@ class ReportFailed(_Io, frozen=True, gc=False):
 
 
 class Finished(_Io, frozen=True, gc=False):
-    """The request reached the terminal `state`; the core holds nothing for it any more."""
+    """The request reached the terminal `state`; the core holds nothing for it any more.
+    `history` is its transitions, (event, state entered, time), when tracing is on."""
 
     request_id: str
     state: str
+    history: tuple[tuple[str, str, float], ...] = ()
 
 
 Command = (

@@ -141,6 +141,11 @@ class Producer(Side):
 
     def _on_cancel(self, msg: Cancel, sender: str) -> None:
         req = self._by_consumer.get((sender, msg.sender_request_id))
+        if req is None and not self._pending_ids.get(msg.sender_request_id):
+            # D never registered (a full prefix-cache hit, or it gave up first): find the request
+            # the way a registration would, but only one nobody registered for yet.
+            req = self._match(msg)
+            req = req if req is not None and not req.links else None
         if req is None:
             # Nothing of that request is posted or granted to the sender: confirm at once.
             self._count_error("unknown", f"cancel for {msg.sender_request_id!r} from {sender}")
@@ -169,7 +174,7 @@ class Producer(Side):
 
     # --- matching -------------------------------------------------------------------------------
 
-    def _match(self, msg: Registration) -> Request | None:
+    def _match(self, msg: Registration | Cancel) -> Request | None:
         """Exact id (P's id as D knows it, then D's own), then base id: O(1) each."""
         for rid in (msg.request_id, msg.sender_request_id):
             req = self._waiting.get(rid)
@@ -279,6 +284,12 @@ class Producer(Side):
                 link.granted = True
                 grant = Grant(link.request_id, req.id, *self._me, blocks, deadline)
                 self._send(link.agent, grant)
+
+    def _req_guard_consumer_released(self, req: Request) -> bool:
+        return req.consumer_released
+
+    def _req_cmd_note_release(self, req: Request) -> None:
+        req.consumer_released = True
 
     def _req_cmd_drop_registration(self, req: Request) -> None:
         link = req.links.pop(self._sender, None)

@@ -59,6 +59,7 @@ class Request:
         "abort_requested",
         "acks",
         "blocks",
+        "consumer_released",
         "history",
         "id",
         "links",
@@ -79,6 +80,7 @@ class Request:
         self.tally = TransferTally(request_id, 1)
         self.links: dict[str, Any] = {}  # per peer agent: the side's record of that peer's part
         self.acks: set[str] = set()
+        self.consumer_released = False
 
 
 class Peer:
@@ -259,7 +261,7 @@ class Side:
             if peer is not None:
                 peer.waiters.pop(req.id, None)
         self._forget(req)
-        self._emit(Finished(req.id, req.state))
+        self._emit(Finished(req.id, req.state, tuple(req.history or ())))
 
     def _forget(self, req: Request) -> None:
         """Drop the side's indexes of a request that ended."""
@@ -298,7 +300,7 @@ class Side:
         return req.abort_requested
 
     def _req_guard_peer_connected(self, req: Request) -> bool:
-        return bool(req.peers) and self._connected(req.peers)
+        return self._connected(req.peers)  # vacuously true for a request without peers
 
     def _req_cmd_connect_peer(self, req: Request) -> None:
         for agent in req.peers:
@@ -346,7 +348,7 @@ class Side:
     def _peer_cmd_fail_waiters(self, peer: Peer) -> None:
         peer.waiters = {}
         for req in list(self.requests.values()):
-            if peer.id in req.peers and self._req.accepts(req.state, "peer_unreachable"):
+            if peer.id in req.peers:
                 self._runq.post(self._req, req, "peer_unreachable")
 
     # --- the transfer tally ---------------------------------------------------------------------

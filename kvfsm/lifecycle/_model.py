@@ -125,7 +125,7 @@ def decode_model(path: Path) -> LifecycleModel:
         model = msgspec.toml.decode(path.read_bytes(), type=LifecycleModel)
     except msgspec.ValidationError as exc:
         raise ModelError(f"{path.name}: {exc}") from exc
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise ModelError(f"{path.name}: not valid TOML: {exc}") from exc
     problems = _problems(model)
     if problems:
@@ -161,6 +161,17 @@ def _problems(model: LifecycleModel) -> list[str]:
         checks += [(g in guards, f"unknown guard '{g}'") for g in (*t.guards, *t.unless)]
         checks += [(c in commands, f"unknown command '{c}'") for c in t.commands]
         problems += [f"{where}: {msg}" for ok, msg in checks if not ok]
+    used_guards = {g for t in model.transitions for g in (*t.guards, *t.unless)}
+    used_commands = {c for t in model.transitions for c in t.commands}
+    used_events = {t.trigger for t in model.transitions}
+    for kind, declared, used in (
+        ("event", events, used_events),
+        ("guard", guards, used_guards),
+        ("command", commands, used_commands),
+    ):
+        problems += [
+            f"{kind} '{n}' is declared but no transition uses it" for n in sorted(declared - used)
+        ]
     problems += _shadowed(model)
     if not problems:
         problems += _unreachable(model, terminal)

@@ -5,7 +5,7 @@ the engines report what they do."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -91,6 +91,7 @@ class SimCluster:
         self.dead: set[str] = set()
         self.requests: dict[str, PairedRequest] = {}
         self.ledger = Ledger(self)
+        self.on_finished: Callable[[str, Finished], None] | None = None
         self._free = {"P": list(range(num_blocks)), "D": list(range(num_blocks))}
         for rank in range(p_tp):
             self._start("P", rank)
@@ -249,6 +250,8 @@ class SimCluster:
         elif isinstance(out, Finished):
             pr.final[agent] = out.state
             self.ledger.finished(agent, pr, out.state)
+            if self.on_finished is not None:
+                self.on_finished(agent, out)
 
     def settle(self, horizon: float | None = None) -> None:
         """Run the clock until every request on live engines ended, up to `horizon` seconds."""

@@ -118,7 +118,8 @@ def decode(payload: bytes) -> Message:
         raise WireError(f"not a kvfsm v1 notification (starts {payload[:8]!r})")
     try:
         message: Message = _decoder.decode(payload[len(_MAGIC) :])
-    except (msgspec.MsgspecError, ValueError) as exc:  # ValueError: e.g. invalid UTF-8 in a str
+    # ValueError: e.g. invalid UTF-8 in a str; RecursionError: deeply nested msgpack.
+    except (msgspec.MsgspecError, ValueError, RecursionError) as exc:
         raise WireError(f"malformed notification: {exc}") from exc
     if message.rank < 0 or (not isinstance(message, Heartbeat) and message.tp_size < 1):
         raise WireError(f"notification with impossible rank/tp: {message!r:.200}")
@@ -128,8 +129,11 @@ def decode(payload: bytes) -> Message:
 
 
 def pack_blocks(block_ids: npt.ArrayLike) -> bytes:
-    """Block ids as packed little-endian int32."""
-    return np.asarray(block_ids, dtype="<i4").tobytes()
+    """Block ids as packed little-endian int32; ids outside [0, 2**31) raise ValueError."""
+    ids = np.asarray(block_ids)
+    if ids.size and (ids.min() < 0 or ids.max() >= 2**31):
+        raise ValueError(f"block ids must lie in [0, 2**31): got {ids.min()}..{ids.max()}")
+    return ids.astype("<i4").tobytes()
 
 
 def unpack_blocks(data: bytes) -> BlockIds:

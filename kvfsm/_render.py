@@ -1,0 +1,61 @@
+"""Terminal output: progress bars and summary tables (rich)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from kvfsm._demo import DemoReport
+
+__all__ = ["demo_table", "progress_bar"]
+
+
+@contextmanager
+def progress_bar(total: int, enabled: bool = True) -> Iterator[Callable[[int], None]]:
+    """A progress bar on stderr; yields `advance(n)`. Disabled, it yields a no-op."""
+    if not enabled:
+        yield lambda _n: None
+        return
+    columns = (TextColumn("requests"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("requests", total=total)
+        yield lambda n: progress.advance(task, n)
+
+
+def demo_table(report: DemoReport) -> None:
+    """Print a demo's summary: outcomes, bytes, verification and time in each state."""
+    console = Console()
+    summary = Table(title=f"kvfsm demo: {report.mode} on {report.fabric}")
+    summary.add_column("metric")
+    summary.add_column("value", justify="right")
+    rows = [
+        ("requests", report.requests),
+        ("done", report.done),
+        ("failed", report.failed),
+        ("expired", report.expired),
+        ("aborted", report.aborted),
+        ("bytes moved", f"{report.bytes:,}"),
+        ("every byte verified", "yes" if report.verified else "NO"),
+        ("safety violations", len(report.violations)),
+        ("TP (P -> D)", f"{report.p_tp} -> {report.d_tp}"),
+        ("CPU seconds", f"{report.cpu_s:.2f}"),
+    ]
+    for name, value in rows:
+        summary.add_row(name, str(value))
+    console.print(summary)
+    states = Table(title="mean time in state (simulated ms)")
+    states.add_column("side")
+    states.add_column("state")
+    states.add_column("ms", justify="right")
+    for side, by_state in report.time_in_state_ms.items():
+        for state, ms in by_state.items():
+            states.add_row(side, state, f"{ms:.3f}")
+    console.print(states)
+    for violation in report.violations[:20]:
+        console.print(f"[red]violation:[/red] {violation}")

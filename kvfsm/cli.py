@@ -1,0 +1,86 @@
+"""The `kvfsm` command line: `demo`, `diagrams`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+
+__all__ = ["main"]
+
+_DIAGRAMS = Path("docs/diagrams")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="kvfsm", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser("demo", help="move KV between a P and a D engine, bytes checked")
+    demo.add_argument("--fabric", choices=["sim", "nixl"], default="sim")
+    demo.add_argument("--mode", choices=["push", "pull"], default="push")
+    demo.add_argument("--requests", type=int, default=200)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--p-tp", type=int, default=1)
+    demo.add_argument("--d-tp", type=int, default=1)
+    demo.add_argument("--json", action="store_true", help="print one JSON object")
+
+    diagrams = commands.add_parser("diagrams", help="generate docs/diagrams from models/")
+    diagrams.add_argument("--out", type=Path, default=_DIAGRAMS)
+    diagrams.add_argument("--check", action="store_true", help="fail if they are stale")
+
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        return _demo(args)
+    return _diagrams(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvfsm._demo import run_sim_demo
+    from kvfsm._render import demo_table, progress_bar
+
+    if args.fabric == "nixl":
+        print(
+            "kvfsm demo --fabric nixl: the real NIXL fabric is not built yet (issue 3); "
+            "use --fabric sim",
+            file=sys.stderr,
+        )
+        return 2
+    if args.requests < 1:
+        print("--requests must be at least 1", file=sys.stderr)
+        return 2
+    with progress_bar(args.requests, enabled=not args.json) as advance:
+        report = run_sim_demo(
+            args.mode, args.requests, seed=args.seed, p_tp=args.p_tp, d_tp=args.d_tp,
+            progress=advance,
+        )  # fmt: skip
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(report), sort_keys=True))
+    else:
+        demo_table(report)
+    return 0 if report.ok else 1
+
+
+def _diagrams(args: argparse.Namespace) -> int:
+    from kvfsm._diagrams import check_diagrams, write_diagrams
+
+    if args.check:
+        problems = check_diagrams(args.out)
+        for problem in problems:
+            print(problem, file=sys.stderr)
+        if problems:
+            print("docs/diagrams is stale: run `kvfsm diagrams`", file=sys.stderr)
+            return 1
+        print(f"{args.out} is fresh")
+        return 0
+    for path in write_diagrams(args.out):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
