@@ -167,7 +167,7 @@ class Consumer(Side):
     def _result_from_peer(self, req: Request, sender: str, ok: bool) -> None:
         event = "transfer_complete" if ok else "transfer_failed"
         if not self._req.accepts(req.state, event):
-            self._count_error("unexpected", f"{event} for {req.id!r} in {req.state}")
+            self._count_error("protocol_error", f"{event} for {req.id!r} in {req.state}")
             return
         self._tally_result(req, sender, ok)
 

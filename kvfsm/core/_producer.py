@@ -3,13 +3,14 @@ grant D's READ (pull), release each block exactly once."""
 
 from __future__ import annotations
 
-from collections import deque
 from typing import ClassVar
 
 import msgspec
 
 from kvfsm.core._config import CoreConfig, Identity, Mode, paired_ranks
+from kvfsm.core._dispatch import Tombstones
 from kvfsm.core._io import Admit, PostTransfer, PrefillFinished, Tick
+from kvfsm.core._matching import PendingRegistrations
 from kvfsm.core._side import Request, Side
 from kvfsm.wire import (
     BlockIds,
@@ -42,12 +43,6 @@ class ConsumerLink(msgspec.Struct, gc=False):
     granted: bool = False  # pull: the grant was sent
 
 
-class _Pending(msgspec.Struct, gc=False):
-    message: Registration
-    sender: str
-    expires: float
-
-
 class Producer(Side):
     """P's side of every request, both modes. Feed events with `handle(event, now)`."""
 
@@ -61,12 +56,13 @@ class Producer(Side):
         super().__init__(identity, mode, config)
         self._waiting: dict[str, Request] = {}  # requests that may still take registrations
         self._waiting_base: dict[str, dict[str, None]] = {}
-        self._pending: dict[tuple[str, str], _Pending] = {}  # registrations nobody matched yet
-        self._pending_ids: dict[str, tuple[str, str]] = {}
-        self._pending_base: dict[str, dict[tuple[str, str], None]] = {}
-        self._pending_expiry: deque[tuple[float, tuple[str, str]]] = deque()
+        self._pending = PendingRegistrations(
+            self.config.max_pending_registrations, self.config.pending_registration_ttl_s
+        )
+        self._consumed = Tombstones(self.config.tombstones)  # registrations already matched
         self._by_consumer: dict[tuple[str, str], Request] = {}  # (D agent, D id) -> request
-        self._sender = ""  # the agent whose message is being handled
+        self._sender = ""  # the agent whose cancel is being handled
+        self._cancel: Cancel | None = None
         self._handlers.update({Admit: self._on_admit, PrefillFinished: self._on_prefill_finished})
         self._handlers[Tick] = self._on_p_tick
         self._messages.update(
@@ -84,15 +80,9 @@ class Producer(Side):
         req = self._new_request(event.request_id, event.blocks)
         self._waiting[req.id] = req
         self._waiting_base.setdefault(base_request_id(req.id), {})[req.id] = None
-        while req.id in self._waiting:
-            key = self._pending_ids.get(req.id)
-            if key is None:
-                keys = self._pending_base.get(base_request_id(req.id))
-                key = next(iter(keys)) if keys else None
-            if key is None:
-                break
-            pending = self._drop_pending(key)
-            self._attach(req, pending.message, pending.sender)
+        for pending in self._pending.take_for(req.id):
+            if req.id in self._waiting:
+                self._attach(req, pending.message, pending.sender)
 
     def _on_prefill_finished(self, event: PrefillFinished) -> None:
         req = self.requests.get(event.request_id)
@@ -104,56 +94,54 @@ class Producer(Side):
         self._req.fire(req, "prefill_finished", self._now)
 
     def _on_p_tick(self, event: Tick) -> None:
-        expiry = self._pending_expiry
-        while expiry and expiry[0][0] <= self._now:
-            _, key = expiry.popleft()
-            pending = self._pending.get(key)
-            if pending is not None and pending.expires <= self._now:
-                self._drop_pending(key)
-                self._count_error("registration_expired", f"unmatched registration {key}")
+        for key in self._pending.expire(self._now):
+            self._count_error("registration_expired", f"unmatched registration {key}")
         self._on_tick(event)
 
     # --- messages from D ------------------------------------------------------------------------
 
     def _on_registration(self, msg: Registration, sender: str) -> None:
-        req = self._match(msg)
-        if req is not None:
-            self._attach(req, msg, sender)
-            return
+        key = (sender, msg.sender_request_id)
         if msg.request_id in self.tombstones or msg.sender_request_id in self.tombstones:
             self._count_error("late", f"registration for ended request {msg.request_id!r}")
             self._reply(sender, Failure(msg.sender_request_id, msg.request_id, *self._me, "ended"))
             return
-        key = (sender, msg.sender_request_id)
-        if key in self._pending:
+        if key in self._pending or _consumer_key(*key) in self._consumed:
             self._count_error("duplicate", f"registration {key}")
             return
-        if len(self._pending) >= self.config.max_pending_registrations:
+        req = self._match(msg)
+        if req is not None:
+            self._attach(req, msg, sender)
+        elif self._pending.full:
             self._count_error("rejected", f"registration {key}: too many unmatched")
             self._reply(sender, Failure(msg.sender_request_id, msg.request_id, *self._me, "full"))
-            return
-        expires = self._now + self.config.pending_registration_ttl_s
-        self._pending[key] = _Pending(msg, sender, expires)
-        for rid in {msg.request_id, msg.sender_request_id} - {""}:
-            self._pending_ids[rid] = key
-        self._pending_base.setdefault(base_request_id(msg.sender_request_id), {})[key] = None
-        self._pending_expiry.append((expires, key))
+        else:
+            self._pending.add(msg, sender, self._now)
 
     def _on_cancel(self, msg: Cancel, sender: str) -> None:
-        req = self._by_consumer.get((sender, msg.sender_request_id))
-        if req is None and not self._pending_ids.get(msg.sender_request_id):
+        key = (sender, msg.sender_request_id)
+        req = self._by_consumer.get(key)
+        if req is None and key in self._pending:
+            self._pending.drop(key)  # withdrawn before anything was posted for it
+            self.counters["registration_withdrawn"] += 1
+        elif req is None:
             # D never registered (a full prefix-cache hit, or it gave up first): find the request
             # the way a registration would, but only one nobody registered for yet.
             req = self._match(msg)
             req = req if req is not None and not req.links else None
-        if req is None:
-            # Nothing of that request is posted or granted to the sender: confirm at once.
-            self._count_error("unknown", f"cancel for {msg.sender_request_id!r} from {sender}")
-            if self.mode == "push":
-                self._reply(sender, CancelAck(msg.sender_request_id, msg.request_id, *self._me))
+        if req is not None:
+            self._sender, self._cancel = sender, msg  # for the commands this cancel runs
+            try:
+                self._fire_from_peer(req, "peer_cancelled")
+            finally:
+                self._sender, self._cancel = "", None
             return
-        self._sender = sender
-        self._fire_from_peer(req, "peer_cancelled")
+        if key not in self._pending and msg.request_id in self.tombstones:
+            self._count_error("late", f"cancel for ended request {msg.request_id!r}")
+        elif key not in self._pending:
+            self._count_error("unknown", f"cancel for {msg.sender_request_id!r} from {sender}")
+        if self.mode == "push":  # nothing of it is posted to the sender: confirm at once
+            self._reply(sender, CancelAck(msg.sender_request_id, msg.request_id, *self._me))
 
     def _on_completion(self, msg: Completion, sender: str) -> None:
         req = self._by_consumer.get((sender, msg.sender_request_id))
@@ -175,11 +163,13 @@ class Producer(Side):
     # --- matching -------------------------------------------------------------------------------
 
     def _match(self, msg: Registration | Cancel) -> Request | None:
-        """Exact id (P's id as D knows it, then D's own), then base id: O(1) each."""
-        for rid in (msg.request_id, msg.sender_request_id):
-            req = self._waiting.get(rid)
-            if req is not None:
-                return req
+        """The request a message from D is about, O(1): the P id D named, exactly; if D named
+        none, D's own id, then its base id (D's and P's ids differ in a random suffix)."""
+        if msg.request_id:
+            return self._waiting.get(msg.request_id)
+        req = self._waiting.get(msg.sender_request_id)
+        if req is not None:
+            return req
         ids = self._waiting_base.get(base_request_id(msg.sender_request_id))
         return self._waiting[next(iter(ids))] if ids else None
 
@@ -197,6 +187,7 @@ class Producer(Side):
         req.peers.append(sender)
         req.tally.expected = expected
         self._by_consumer[(sender, msg.sender_request_id)] = req
+        self._consumed.add(_consumer_key(sender, msg.sender_request_id), req.id)
         if len(req.links) >= expected:
             self._unwait(req)
         self._fire_from_peer(req, "registration")
@@ -207,18 +198,6 @@ class Producer(Side):
             del ids[req.id]
             if not ids:
                 del self._waiting_base[base_request_id(req.id)]
-
-    def _drop_pending(self, key: tuple[str, str]) -> _Pending:
-        pending = self._pending.pop(key)
-        for rid in (pending.message.request_id, pending.message.sender_request_id):
-            if self._pending_ids.get(rid) == key:
-                del self._pending_ids[rid]
-        base = base_request_id(pending.message.sender_request_id)
-        keys = self._pending_base[base]
-        del keys[key]
-        if not keys:
-            del self._pending_base[base]
-        return pending
 
     def _forget(self, req: Request) -> None:
         super()._forget(req)
@@ -271,8 +250,13 @@ class Producer(Side):
             self._reply(link.agent, Failure(link.request_id, req.id, *self._me, req.state))
 
     def _req_cmd_ack_cancel(self, req: Request) -> None:
-        for link in req.links.values():
-            self._reply(link.agent, CancelAck(link.request_id, req.id, *self._me))
+        # Every D rank of the request, and the one whose cancel is being handled (it may have
+        # no link: a request it never registered for).
+        agents = {link.agent: link.request_id for link in req.links.values()}
+        if self._cancel is not None:
+            agents.setdefault(self._sender, self._cancel.sender_request_id)
+        for agent, d_id in agents.items():
+            self._reply(agent, CancelAck(d_id, req.id, *self._me))
 
     def _req_cmd_grant_read(self, req: Request) -> None:
         blocks = pack_blocks(req.blocks)
@@ -303,3 +287,7 @@ class Producer(Side):
     def _req_cmd_record_cancel(self, req: Request) -> None:
         if self._sender in req.links:
             self._tally_result(req, self._sender, False)
+
+
+def _consumer_key(agent: str, request_id: str) -> str:
+    return f"{agent}\x00{request_id}"

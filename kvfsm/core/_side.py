@@ -29,7 +29,7 @@ from kvfsm.core._io import (
     Tick,
     TransferResult,
 )
-from kvfsm.lifecycle import ProtocolError, RemoteProtocolError, load
+from kvfsm.lifecycle import LocalProtocolError, ProtocolError, RemoteProtocolError, load
 from kvfsm.wire import BlockIds, Message, WireError, decode, encode
 
 __all__ = ["Peer", "Request", "Side", "TransferTally"]
@@ -234,8 +234,9 @@ class Side:
     def _new_request(self, request_id: str, blocks: BlockIds) -> Request:
         if self.shut_down:
             raise RuntimeError(f"{self.side} is shut down: cannot admit {request_id!r}")
-        if request_id in self.requests:
-            raise ValueError(f"request {request_id!r} is already admitted on {self.side}")
+        if request_id in self.requests:  # the caller admitted it twice
+            state, name = self.requests[request_id].state, self._req.lifecycle.name
+            raise LocalProtocolError(request_id, self.side, name, state, "admit")
         req = Request(request_id, self._req.lifecycle.initial, blocks, self.config.trace)
         if req.history is not None:
             req.history.append(("admit", req.state, self._now))

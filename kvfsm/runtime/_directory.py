@@ -19,6 +19,7 @@ class LocalDirectory:
         self._engines: dict[str, Callable[[], PeerInfo]] = {}
         self._failures: Counter[str] = Counter()
         self._hangs: Counter[str] = Counter()
+        self._hang_s: dict[str, float] = {}
         self._clock = clock
         self._latency = latency
 
@@ -38,9 +39,10 @@ class LocalDirectory:
         """Make the next `times` handshakes with `peer` fail."""
         self._failures[peer] += times
 
-    def hang_next(self, peer: str, times: int = 1) -> None:
-        """Make the next `times` handshakes with `peer` answer only after a minute."""
+    def hang_next(self, peer: str, times: int = 1, seconds: float = 60.0) -> None:
+        """Make the next `times` handshakes with `peer` answer only after `seconds`."""
         self._hangs[peer] += times
+        self._hang_s[peer] = seconds
 
     def lookup(self, peer: str) -> PeerInfo:
         """`peer`'s information, or `HandshakeError` if it is unknown or a failure is scripted."""
@@ -66,7 +68,7 @@ class DirectoryView:
         delay = d._latency
         if d._hangs[peer] > 0:
             d._hangs[peer] -= 1
-            delay = 60.0
+            delay = d._hang_s[peer]
         self._started.append((d._clock() + delay, peer))
 
     def results(self) -> list[tuple[str, PeerInfo | HandshakeError]]:

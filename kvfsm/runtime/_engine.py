@@ -239,15 +239,15 @@ class Engine:
                 self.fabric.release_xfer_handle(handle)
         self._queue.append(TransferResult(cmd.request_id, cmd.transfer_id, False, str(exc)))
         if isinstance(exc, RemoteDisconnectedError):
-            self._queue.append(PeerLost(cmd.peer))
+            self._lost(cmd.peer)
 
     def _check(self, tid: int, flight: InFlight) -> None:
         try:
             state = self.fabric.check_xfer_state(flight.handle)
         except FabricError as exc:
-            self._finish(tid, flight, False, str(exc))
             if isinstance(exc, RemoteDisconnectedError):
-                self._queue.append(PeerLost(flight.peer))
+                self._lost(flight.peer)  # the cause first, then what it did to the transfer
+            self._finish(tid, flight, False, str(exc))
             return
         if state != "PROC":
             self._finish(tid, flight, state == "DONE", state)
@@ -273,7 +273,14 @@ class Engine:
         except FabricError as exc:
             self.counters["notify_failed"] += 1
             if isinstance(exc, RemoteDisconnectedError):
-                self._queue.append(PeerLost(cmd.peer))
+                self._lost(cmd.peer)
+
+    def _lost(self, peer: str) -> None:
+        """Report a lost peer, unless its agent is no longer loaded (a stale transfer's error)."""
+        if peer in self._remote:
+            self._queue.append(PeerLost(peer))
+        else:
+            self.counters["stale_peer_lost"] += 1
 
     def _notifications(self) -> dict[str, list[bytes]]:
         try:

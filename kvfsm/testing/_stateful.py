@@ -14,7 +14,9 @@ from kvfsm.testing._cluster import SimCluster
 
 __all__ = ["LifecycleMachine", "machine_for"]
 
-_STEPS = (0.0, 1e-4, 1e-3, 0.05, 0.6, 1.5, 3.5)  # spans notification latency .. every deadline
+# From notification latency to past every deadline, weighted towards the short steps in which
+# messages interleave.
+_STEPS = (0.0, 1e-4, 1e-3, 1e-3, 0.01, 0.05, 0.05, 0.2, 0.6, 1.5, 3.5)
 _POST_FAULTS = ("fail_post", "err", "stuck", "delay")
 _FAULTS = (
     *_POST_FAULTS,

@@ -3,8 +3,12 @@ safety properties checked after every step (see kvfsm.testing)."""
 
 from __future__ import annotations
 
+import pytest
+from hypothesis.stateful import run_state_machine_as_test
+
+from kvfsm.core import Mode
 from kvfsm.fabric import SimFaults
-from kvfsm.testing import machine_for
+from kvfsm.testing import COVERAGE, machine_for, run_tour, untaken_transitions
 
 # Transfers that stay in flight a while, so aborts, cancels and deaths land mid-transfer.
 _SLOW = SimFaults(transfer_latency=0.25)
@@ -16,11 +20,37 @@ _NOISY = SimFaults(
     reorder_notif=0.05,
 )
 
-TestPush = machine_for("push").TestCase
-TestPull = machine_for("pull").TestCase
-TestPushSlow = machine_for("push", faults=_SLOW).TestCase
-TestPullSlow = machine_for("pull", faults=_SLOW).TestCase
-TestPushOneToTwo = machine_for("push", 1, 2, _NOISY).TestCase
-TestPullTwoToOne = machine_for("pull", 2, 1, _NOISY).TestCase
-TestPushTwoToOne = machine_for("push", 2, 1, _SLOW).TestCase
-TestPullOneToTwo = machine_for("pull", 1, 2, _SLOW).TestCase
+MACHINES = (
+    machine_for("push"),
+    machine_for("pull"),
+    machine_for("push", faults=_SLOW),
+    machine_for("pull", faults=_SLOW),
+    machine_for("push", 1, 2, _NOISY),
+    machine_for("pull", 2, 1, _NOISY),
+    machine_for("push", 2, 1, _SLOW),
+    machine_for("pull", 1, 2, _SLOW),
+)
+TestPush, TestPull, TestPushSlow, TestPullSlow = (m.TestCase for m in MACHINES[:4])
+TestPushOneToTwo, TestPullTwoToOne, TestPushTwoToOne, TestPullOneToTwo = (
+    m.TestCase for m in MACHINES[4:]
+)
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_tour_of_rare_interleavings_is_safe(mode: Mode) -> None:
+    """Scripted interleavings random search rarely reaches keep every safety property."""
+    problems = {name: found for name, found in run_tour(mode).items() if found}
+    assert not problems
+
+
+def test_every_model_transition_is_taken() -> None:
+    """The stateful machines and the tour together take every transition of every model.
+
+    Runs after the machines above in a whole-module run; run alone, it runs them itself."""
+    if not any(lifecycle == "producer_push" for lifecycle, *_ in COVERAGE):
+        for machine in MACHINES:
+            run_state_machine_as_test(machine)
+        for mode in ("push", "pull"):
+            run_tour(mode)  # type: ignore[arg-type]
+    untaken = untaken_transitions()
+    assert not untaken, "never taken:\n" + "\n".join(" ".join(edge) for edge in untaken)

@@ -1,0 +1,310 @@
+"""A scripted tour of the rare corners of the lifecycles, on real engines and the simulated fabric.
+
+The stateful suite explores at random; some transitions need a precise interleaving (an abort while
+a READ is in flight and P has already failed, a third handle of a request ending after two failed)
+that random search reaches only in long soaks. Each scenario here scripts one such interleaving and
+then lets the cluster settle, so the safety ledger checks it like any other run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvfsm.core import Mode
+from kvfsm.fabric import SimFaults
+from kvfsm.testing._cluster import SimCluster
+
+__all__ = ["SCENARIOS", "run_tour"]
+
+_SLOW = SimFaults(transfer_latency=0.25)
+Scenario = Callable[[Mode], SimCluster]
+
+
+def _cluster(mode: Mode, p_tp: int = 1, d_tp: int = 1, slow: bool = True) -> SimCluster:
+    return SimCluster(mode, p_tp=p_tp, d_tp=d_tp, faults=_SLOW if slow else None, num_blocks=24)
+
+
+def _state(c: SimCluster, agent: str, key: str) -> str:
+    pr = c.requests[key]
+    rid = pr.p_id if agent.startswith("P") else pr.d_id
+    req = c.engines[agent].side.requests.get(rid)
+    return req.state if req is not None else pr.final.get(agent, "gone")
+
+
+def _until(c: SimCluster, agent: str, key: str, *states: str, limit: float = 10.0) -> None:
+    end = c.network.now + limit
+    while _state(c, agent, key) not in states:
+        if c.network.now > end:
+            raise AssertionError(f"{agent} {key} never reached {states}: {_state(c, agent, key)}")
+        c.step(1e-3)
+
+
+def _transferring(mode: Mode) -> str:
+    return "writing" if mode == "push" else "reading"
+
+
+def d_aborts_mid_transfer(mode: Mode) -> SimCluster:
+    """D aborts while the transfer is in flight; then again (idempotent)."""
+    c = _cluster(mode)
+    c.admit("r", 2)
+    c.finish_prefill("r")
+    _until(c, "D#0", "r", _transferring(mode))
+    c.abort("r", "D")
+    c.abort("r", "D")
+    return c
+
+
+def d_aborts_stuck_transfer(mode: Mode) -> SimCluster:
+    """D aborts while the transfer hangs in PROC: the stall bound ends it."""
+    c = _cluster(mode)
+    c.network.inject_next_post("D#0" if mode == "pull" else "P#0", "stuck")
+    c.admit("r", 2)
+    c.finish_prefill("r")
+    _until(c, "D#0", "r", _transferring(mode))
+    c.abort("r", "D")
+    return c
+
+
+def d_aborts_failing_transfer(mode: Mode) -> SimCluster:
+    """D aborts while a transfer that will end in ERR is in flight."""
+    c = _cluster(mode)
+    c.network.inject_next_post("D#0" if mode == "pull" else "P#0", "err")
+    c.admit("r", 2)
+    c.finish_prefill("r")
+    _until(c, "D#0", "r", _transferring(mode))
+    c.abort("r", "D")
+    return c
+
+
+def p_aborts_mid_transfer(mode: Mode, outcome: str | None = None) -> SimCluster:
+    """P aborts while the transfer is in flight (optionally stuck or failing)."""
+    c = _cluster(mode)
+    if outcome is not None:
+        c.network.inject_next_post("D#0" if mode == "pull" else "P#0", outcome)  # type: ignore[arg-type]
+    c.admit("r", 2)
+    c.finish_prefill("r")
+    _until(c, "D#0", "r", _transferring(mode))
+    c.abort("r", "P")
+    c.step(1e-3)  # D hears of it mid-transfer
+    c.abort("r", "P")
+    return c
+
+
+def p_aborts_stuck(mode: Mode) -> SimCluster:
+    """P aborts while the transfer hangs."""
+    return p_aborts_mid_transfer(mode, "stuck")
+
+
+def p_aborts_failing(mode: Mode) -> SimCluster:
+    """P aborts while the transfer will fail."""
+    return p_aborts_mid_transfer(mode, "err")
+
+
+def p_dies_mid_transfer(mode: Mode) -> SimCluster:
+    """P's host resets connections while the transfer is in flight."""
+    c = _cluster(mode)
+    c.admit("r", 2)
+    c.finish_prefill("r")
+    _until(c, "D#0", "r", _transferring(mode))
+    c.kill("P#0", reset=True)
+    return c
+
+
+def d_dies_while_p_drains(mode: Mode) -> SimCluster:
+    """D's host resets while P drains an aborted transfer."""
+    c = _cluster(mode)
+    c.admit("r", 2)
+    c.finish_prefill("r")
+    _until(c, "D#0", "r", _transferring(mode))
+    c.kill("D#0", reset=True)
+    c.abort("r", "P")
+    return c
+
+
+def handshake_hangs(mode: Mode) -> SimCluster:
+    """D's handshake with P never answers: the watchdog ends the request, also a full hit."""
+    c = _cluster(mode, slow=False)
+    c.directory.hang_next("P#0", times=2)
+    c.admit("r", 2)
+    c.admit("hit", 2, d_cached=2)
+    c.finish_prefill("r")
+    c.finish_prefill("hit")
+    return c
+
+
+def p_cannot_reach_d(mode: Mode) -> SimCluster:
+    """P's handshake with D hangs: P waits in matched, then is aborted, or D's heartbeats stop."""
+    c = _cluster(mode, slow=False)
+    c.directory.hang_next("D#0", times=1)
+    c.admit("a", 2)
+    c.finish_prefill("a")
+    _until(c, "P#0", "a", "matched")
+    c.abort("a", "P")
+    c.directory.hang_next("D#0", times=1)
+    c.admit("b", 2)
+    c.finish_prefill("b")
+    _until(c, "P#0", "b", "matched")
+    c.kill("D#0", reset=False)
+    return c
+
+
+def late_results_while_fencing(mode: Mode) -> SimCluster:
+    """D's notifications are held until its watchdog fired: the late ones are recognised."""
+    c = _cluster(mode, slow=False)
+    c.admit("r", 2)
+    _until(c, "D#0", "r", "registered")
+    c.network.hold_notifs("D#0")
+    c.finish_prefill("r")
+    c.step(2.5)
+    c.network.release_held("D#0")
+    return c
+
+
+def two_consumers_register_early(mode: Mode) -> SimCluster:
+    """Two D ranks register before P's prefill ends; one handshake fails, then D gives up."""
+    c = _cluster(mode, d_tp=2, slow=False)
+    c.directory.fail_next("D#1")
+    c.admit("a", 2, d_first=True)
+    c.step(5e-3)
+    c.finish_prefill("a")
+    c.directory.hang_next("D#1")
+    c.admit("b", 2, d_first=True)
+    c.step(2.5)
+    c.finish_prefill("b")
+    return c
+
+
+def two_producers_one_grant_late(mode: Mode) -> SimCluster:
+    """D reads from two P ranks; it aborts after the first grant, the second arrives late."""
+    c = _cluster(mode, p_tp=2, slow=True)
+    c.admit("r", 2)
+    c.finish_prefill("r")
+    _until(c, "D#0", "r", _transferring(mode))
+    c.abort("r", "D")
+    return c
+
+
+def many_handles_some_fail(mode: Mode) -> SimCluster:
+    """Four handles, the first two fail: the request fails only once all four ended."""
+    c = _cluster(mode, p_tp=4 if mode == "pull" else 1, d_tp=1 if mode == "pull" else 4)
+    poster = "D#0" if mode == "pull" else "P#0"
+    c.network.inject_next_post(poster, "err")
+    c.network.inject_next_post(poster, "err")
+    c.admit("r", 2)
+    c.finish_prefill("r")
+    return c
+
+
+def late_grant_while_draining(mode: Mode) -> SimCluster:
+    """D reads from two P ranks; one connects late, after D gave up on the first one's data."""
+    c = _cluster(mode, p_tp=2)
+    c.directory.hang_next("D#0", seconds=0.1)
+    c.admit("r", 2)
+    c.finish_prefill("r")
+    _until(c, "D#0", "r", _transferring(mode))
+    c.abort("r", "D")
+    return c
+
+
+def p_drains_while_consumers_arrive(mode: Mode) -> SimCluster:
+    """P aborts while one D rank transfers; the other D rank's registration arrives only then."""
+    c = _cluster(mode, d_tp=2)
+    c.directory.hang_next("P#0", seconds=0.1)  # D#0 connects to P, and registers, late
+    c.admit("r", 2)
+    c.finish_prefill("r")
+    _until(c, "D#1", "r", _transferring(mode))
+    c.abort("r", "P")
+    return c
+
+
+def p_drains_while_connecting(mode: Mode) -> SimCluster:
+    """P aborts while one D rank transfers; its connection to the other comes up only then."""
+    c = _cluster(mode, d_tp=2)
+    c.directory.hang_next("D#0", seconds=0.1)  # P's connection to D#0 comes late
+    c.admit("r", 2)
+    c.finish_prefill("r")
+    _until(c, "D#1", "r", _transferring(mode))
+    c.abort("r", "P")
+    return c
+
+
+def consumers_withdraw_while_p_connects(mode: Mode) -> SimCluster:
+    """Both D ranks register before P's prefill ends, then give up while P still connects."""
+    c = _cluster(mode, d_tp=2, slow=False)
+    for peer in ("D#0", "D#1"):
+        c.directory.hang_next(peer, seconds=0.5)
+    c.directory.fail_next("D#1")
+    c.admit("r", 2)
+    _until(c, "D#1", "r", "registered")
+    c.step(5e-3)
+    c.abort("r", "D")
+    c.step(0.01)  # the cancels reach P while its handshakes still hang
+    c.step(0.6)  # then one handshake completes and one fails
+    return c
+
+
+def peer_lost_while_p_drains(mode: Mode) -> SimCluster:
+    """P drains a hung transfer when D goes silent and a new process takes its place."""
+    c = _cluster(mode)
+    c.network.inject_next_post("D#0" if mode == "pull" else "P#0", "stuck")
+    c.admit("r", 2)
+    c.finish_prefill("r")
+    _until(c, "D#0", "r", _transferring(mode))
+    c.abort("r", "P")
+    c.kill("D#0", reset=False)
+    c.revive("D#0")
+    return c
+
+
+def p_replaced_mid_transfer(mode: Mode) -> SimCluster:
+    """P goes silent and a new process takes its place while two transfers hang, one of them
+    already given up by D: both fail when polled, and the peer is lost once."""
+    c = _cluster(mode)
+    poster = "D#0" if mode == "pull" else "P#0"
+    for key in ("a", "b"):
+        c.network.inject_next_post(poster, "stuck")
+        c.admit(key, 2)
+        c.finish_prefill(key)
+        _until(c, "D#0", key, _transferring(mode))
+    c.abort("b", "D")
+    c.kill("P#0", reset=False)
+    c.revive("P#0")
+    return c
+
+
+SCENARIOS: tuple[Scenario, ...] = (
+    d_aborts_mid_transfer,
+    d_aborts_stuck_transfer,
+    d_aborts_failing_transfer,
+    p_aborts_mid_transfer,
+    p_aborts_stuck,
+    p_aborts_failing,
+    p_dies_mid_transfer,
+    d_dies_while_p_drains,
+    handshake_hangs,
+    p_cannot_reach_d,
+    late_results_while_fencing,
+    two_consumers_register_early,
+    two_producers_one_grant_late,
+    many_handles_some_fail,
+    late_grant_while_draining,
+    p_drains_while_consumers_arrive,
+    p_drains_while_connecting,
+    consumers_withdraw_while_p_connects,
+    peer_lost_while_p_drains,
+    p_replaced_mid_transfer,
+)
+
+
+def run_tour(mode: Mode) -> dict[str, list[str]]:
+    """Run every scenario in `mode`, settle it, and return its safety problems by name."""
+    problems = {}
+    for scenario in SCENARIOS:
+        cluster = scenario(mode)
+        for key in sorted(cluster.requests):
+            cluster.finish_prefill(key)
+        cluster.settle()
+        found = cluster.ledger.quiescence()
+        found += cluster.conformance.violations if cluster.conformance else []
+        problems[scenario.__name__] = found
+    return problems
