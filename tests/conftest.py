@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, settings
 
 _COMMON = {
     "deadline": None,
+    "database": None,  # runs are reproducible from the profile alone, as on a fresh clone
     "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
     "stateful_step_count": 50,
 }

@@ -212,7 +212,17 @@ class Ledger:
         for side, blocks in (("P", pr.p_blocks), ("D", pr.d_blocks)):
             if not any(a.startswith(side) for a in owed) and (pr.key, side) not in self._freed:
                 self._freed.add((pr.key, side))
+                self._poison(side, blocks)
                 self.cluster.free(side, blocks)
+
+    def _poison(self, side: str, blocks: np.ndarray) -> None:
+        """Overwrite freed P blocks, as the next prefill would: a READ that lands after the free
+        then brings bytes that fail the integrity check."""
+        if side != "P" or not len(blocks):
+            return
+        layout = self.cluster.layout
+        for engine in self.cluster.live("P"):
+            engine.kv.reshape(layout.num_blocks, layout.block_bytes)[blocks] = 0xEE
 
     def _violate(self, message: str) -> None:
         self.violations.append(message)

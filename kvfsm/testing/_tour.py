@@ -155,6 +155,7 @@ def late_results_while_fencing(mode: Mode) -> SimCluster:
     _until(c, "D#0", "r", "registered")
     c.network.hold_notifs("D#0")
     c.finish_prefill("r")
+    _until(c, "P#0", "r", "done", "reading")
     c.step(2.5)
     c.network.release_held("D#0")
     return c
@@ -272,6 +273,31 @@ def p_replaced_mid_transfer(mode: Mode) -> SimCluster:
     return c
 
 
+def second_consumer_registers_mid_transfer(mode: Mode) -> SimCluster:
+    """Of two D ranks, one registers only while P already transfers to the other."""
+    c = _cluster(mode, d_tp=2)
+    c.directory.hang_next("P#0", seconds=0.1)  # D#0 connects to P, and registers, late
+    c.admit("r", 2)
+    c.finish_prefill("r")
+    _until(c, "D#0", "r", _transferring(mode))
+    return c
+
+
+def consumer_lost_before_prefill_ends(mode: Mode) -> SimCluster:
+    """D registered two requests and dies; P learns it when it next tells D something."""
+    c = _cluster(mode, slow=False)
+    c.admit("warm", 1)
+    c.finish_prefill("warm")
+    _until(c, "P#0", "warm", "done")  # P and D are connected both ways
+    c.admit("waits", 1, d_first=True)
+    c.admit("empty", 1, d_first=True)
+    _until(c, "P#0", "empty", "registered")
+    _until(c, "P#0", "waits", "registered")
+    c.kill("D#0", reset=True)
+    c.finish_prefill("empty", without_blocks=True)  # P tells D: the send fails, D is lost
+    return c
+
+
 SCENARIOS: tuple[Scenario, ...] = (
     d_aborts_mid_transfer,
     d_aborts_stuck_transfer,
@@ -293,6 +319,8 @@ SCENARIOS: tuple[Scenario, ...] = (
     consumers_withdraw_while_p_connects,
     peer_lost_while_p_drains,
     p_replaced_mid_transfer,
+    second_consumer_registers_mid_transfer,
+    consumer_lost_before_prefill_ends,
 )
 
 

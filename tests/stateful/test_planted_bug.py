@@ -1,0 +1,51 @@
+"""The suite catches a planted protocol bug: P counting a transfer complete on the first of two
+expected results (freeing its blocks while a second D rank still reads them, or telling D's
+caller its blocks arrived while a second P rank still writes)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.errors import Flaky
+from hypothesis.stateful import run_state_machine_as_test
+
+from kvfsm.core import Side, TransferTally
+from kvfsm.fabric import SimFaults
+from kvfsm.testing import machine_for
+
+# Slow transfers and unevenly delayed notifications, so two D ranks' READs (or two P ranks' WRITEs)
+# of one request do not end at the same instant.
+_SLOW = SimFaults(transfer_latency=0.25, delay_notif=0.5, max_notif_delay=0.3)
+_BUDGET = settings(
+    max_examples=300,
+    derandomize=True,
+    deadline=None,
+    stateful_step_count=30,
+    suppress_health_check=list(HealthCheck),
+    print_blob=False,
+    report_multiple_bugs=False,
+    phases=(Phase.explicit, Phase.generate),  # finding the bug is the point, not shrinking it
+)
+
+
+def _first_result_completes(self: Side, tally: TransferTally) -> bool:
+    return False  # the bug: "no results outstanding" after the first one
+
+
+@pytest.mark.parametrize(("mode", "p_tp", "d_tp"), [("pull", 1, 2), ("push", 2, 1)])
+def test_planted_early_completion_is_caught(
+    monkeypatch: pytest.MonkeyPatch, mode: str, p_tp: int, d_tp: int
+) -> None:
+    monkeypatch.setattr(Side, "_tally_guard_outstanding", _first_result_completes)
+    machine = machine_for(mode, p_tp, d_tp, _SLOW)  # type: ignore[arg-type]
+    with pytest.raises((AssertionError, Flaky)) as caught:
+        run_state_machine_as_test(machine, settings=_BUDGET)
+    found = str(caught.value)
+    assert any(p in found for p in ("no early free", "no late write", "no silent corruption"))
+
+
+def test_same_machines_pass_without_the_bug() -> None:
+    """The control: unpatched, the same machines and budget find nothing."""
+    for mode, p_tp, d_tp in [("pull", 1, 2), ("push", 2, 1)]:
+        machine = machine_for(mode, p_tp, d_tp, _SLOW)  # type: ignore[arg-type]
+        run_state_machine_as_test(machine, settings=settings(_BUDGET, max_examples=60))

@@ -1,0 +1,67 @@
+"""The command line as a user runs it: `kvfsm demo --fabric sim` and `kvfsm diagrams --check`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvfsm.cli import main
+
+_REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_demo_json_reports_every_request_done_and_verified(
+    mode: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status = main(["demo", "--fabric", "sim", "--mode", mode, "--requests", "40", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert status == 0
+    assert report["mode"] == mode and report["fabric"] == "sim"
+    assert report["requests"] == report["done"] == 40
+    assert report["failed"] == report["expired"] == 0
+    assert report["verified"] is True and report["violations"] == []
+    assert report["bytes"] > 0
+
+
+def test_demo_across_tp_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["demo", "--requests", "20", "--p-tp", "2", "--d-tp", "1", "--mode", "pull", "--json"]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["done"] == 20 and report["verified"] and report["p_tp"] == 2
+
+
+def test_demo_prints_a_table_without_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--requests", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "every byte verified" in out and "time in state" in out
+
+
+def test_demo_refuses_a_fabric_that_is_not_built(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--fabric", "nixl"]) == 2
+    assert "not built yet" in capsys.readouterr().err
+
+
+def test_committed_diagrams_are_fresh() -> None:
+    assert main(["diagrams", "--check", "--out", str(_REPO / "docs" / "diagrams")]) == 0
+
+
+def test_diagrams_check_fails_on_a_stale_copy(tmp_path: Path) -> None:
+    out = tmp_path / "diagrams"
+    shutil.copytree(_REPO / "docs" / "diagrams", out)
+    (out / "peer.md").write_text("edited by hand\n")
+    assert main(["diagrams", "--check", "--out", str(out)]) == 1
+
+
+def test_console_script_runs() -> None:
+    exe = Path(sys.executable).parent / "kvfsm"
+    result = subprocess.run(
+        [str(exe), "demo", "--requests", "5", "--json"], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["done"] == 5
