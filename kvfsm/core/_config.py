@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import msgspec
@@ -65,6 +66,7 @@ def agent_name(engine_id: str, rank: int) -> str:
     return f"{engine_id}#{rank}"
 
 
+@functools.cache
 def paired_ranks(rank: int, tp_size: int, peer_tp_size: int) -> range:
     """The peer ranks a rank exchanges KV with: several when the peer has more ranks (each holds a
     slice of this rank's heads), else the one peer rank holding this rank's heads."""

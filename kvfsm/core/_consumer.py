@@ -83,7 +83,9 @@ class Consumer(Side):
             raise ValueError(f"request {event.request_id!r} has blocks to receive but no P engine")
         req = self._new_request(event.request_id, event.blocks)
         req.peer_request_id = event.peer_request_id
-        req.peers = [agent_name(event.peer_engine, r) for r in ranks] if event.peer_engine else []
+        req.peers = (
+            tuple(agent_name(event.peer_engine, r) for r in ranks) if event.peer_engine else ()
+        )
         req.links = {a: ProducerLink(a, event.peer_request_id) for a in req.peers}
         req.tally.expected = len(req.peers)
         self._req.fire(req, "admitted", self._now)
@@ -142,7 +144,7 @@ class Consumer(Side):
         req = self._request_from(msg.request_id, sender, "cancel ack")
         if req is None:
             return
-        req.acks.add(sender)
+        req.acks |= {sender}
         if req.acks.issuperset(req.peers):
             self._fire_from_peer(req, "cancel_acked")
 

@@ -92,9 +92,14 @@ class Dispatcher:
                 event,
             )
         seen: dict[str, bool] = {}
-        # The loader guarantees the last rule is unguarded, so one always matches.
-        for rule in rules:
-            if all(_check(seen, name, fn, inst) == want for name, fn, want in rule[0]):
+        rule = rules[-1]  # the loader guarantees the last rule is unguarded
+        for candidate in rules:
+            for name, guard, want in candidate[0]:
+                value = seen[name] = guard(inst)
+                if value != want:
+                    break
+            else:
+                rule = candidate
                 break
         _, dest, actions, names = rule
         inst.state = dest
@@ -107,11 +112,6 @@ class Dispatcher:
         if dest in self._terminal and self.on_terminal is not None:
             self.on_terminal(inst)
         return dest
-
-
-def _check(seen: dict[str, bool], name: str, fn: _Guard, inst: Any) -> bool:
-    value = seen[name] = fn(inst)
-    return value
 
 
 def _bind(owner: object, attr: str) -> Callable[[Any], Any]:

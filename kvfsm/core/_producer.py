@@ -90,7 +90,7 @@ class Producer(Side):
             kind = "late" if event.request_id in self.tombstones else "unknown"
             self._count_error(kind, f"prefill_finished for {event.request_id!r}")
             return
-        req.blocks = event.blocks
+        req.blocks = self._blocks(req.id, event.blocks)
         self._req.fire(req, "prefill_finished", self._now)
 
     def _on_p_tick(self, event: Tick) -> None:
@@ -184,7 +184,7 @@ class Producer(Side):
             return
         blocks = unpack_blocks(msg.block_ids)
         req.links[sender] = ConsumerLink(sender, msg.sender_request_id, blocks, msg.deadline)
-        req.peers.append(sender)
+        req.peers += (sender,)
         req.tally.expected = expected
         self._by_consumer[(sender, msg.sender_request_id)] = req
         self._consumed.add(_consumer_key(sender, msg.sender_request_id), req.id)
@@ -279,7 +279,7 @@ class Producer(Side):
         link = req.links.pop(self._sender, None)
         if link is None:
             return
-        req.peers.remove(link.agent)
+        req.peers = tuple(a for a in req.peers if a != link.agent)
         self._by_consumer.pop((link.agent, link.request_id), None)
         self._waiting[req.id] = req
         self._waiting_base.setdefault(base_request_id(req.id), {})[req.id] = None

@@ -7,6 +7,8 @@ travel as packed little-endian int32 (decoding a 2,000-id list as msgpack costs 
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 import numpy as np
 import numpy.typing as npt
@@ -36,6 +38,7 @@ MAX_MESSAGE_BYTES = 1 << 20
 
 BlockIds = npt.NDArray[np.int32]
 
+_SUFFIX = re.compile(r"-[0-9a-fA-F]{8}\Z")
 _MAGIC = b"kv1"  # kvfsm wire version 1; anything else is not ours
 
 
@@ -131,6 +134,8 @@ def decode(payload: bytes) -> Message:
 def pack_blocks(block_ids: npt.ArrayLike) -> bytes:
     """Block ids as packed little-endian int32; ids outside [0, 2**31) raise ValueError."""
     ids = np.asarray(block_ids)
+    if ids.dtype == np.int32:  # what the core passes: validated when the caller handed it over
+        return ids.astype("<i4", copy=False).tobytes()
     if ids.size and (ids.min() < 0 or ids.max() >= 2**31):
         raise ValueError(f"block ids must lie in [0, 2**31): got {ids.min()}..{ids.max()}")
     return ids.astype("<i4").tobytes()
@@ -143,7 +148,6 @@ def unpack_blocks(data: bytes) -> BlockIds:
 
 def base_request_id(request_id: str) -> str:
     """The request id without a trailing ``-<8 hex>`` suffix (where P's and D's ids differ)."""
-    head, sep, tail = request_id.rpartition("-")
-    if sep and len(tail) == 8 and all(c in "0123456789abcdefABCDEF" for c in tail):
-        return head
+    if len(request_id) > 8 and _SUFFIX.search(request_id):
+        return request_id[:-9]
     return request_id
