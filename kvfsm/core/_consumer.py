@@ -145,7 +145,7 @@ class Consumer(Side):
         if req is None:
             return
         req.acks |= {sender}
-        if req.acks.issuperset(req.peers):
+        if (req.acks | req.lost).issuperset(req.peers):
             self._fire_from_peer(req, "cancel_acked")
 
     def _on_grant(self, msg: Grant, sender: str) -> None:
@@ -222,6 +222,17 @@ class Consumer(Side):
             done = encode(Completion(link.request_id, req.id, me.rank, me.tp_size))
             remote = link.block_ids[len(link.block_ids) - n :]
             self._emit(PostTransfer(req.id, tid, "READ", link.agent, req.blocks, remote, done))
+
+    def _req_guard_peer_lost(self, req: Request) -> bool:
+        return bool(req.lost)
+
+    def _req_cmd_check_fence(self, req: Request) -> None:
+        # A lost P rank's WRITE can neither complete nor land any more: its result is a failure
+        # and it counts as having acknowledged the cancel.
+        for agent in req.lost - req.tally.results.keys():
+            self._tally_result(req, agent, False)
+        if (req.acks | req.lost).issuperset(req.peers):
+            self._runq.post(self._req, req, "cancel_acked")
 
     def _req_cmd_report_received(self, req: Request) -> None:
         self._emit(ReportReceived(req.id, req.blocks))

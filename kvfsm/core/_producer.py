@@ -20,7 +20,6 @@ from kvfsm.wire import (
     Failure,
     Grant,
     Heartbeat,
-    Message,
     Progress,
     Registration,
     base_request_id,
@@ -210,12 +209,6 @@ class Producer(Side):
     @property
     def _me(self) -> tuple[int, int]:
         return self.identity.rank, self.identity.tp_size
-
-    def _reply(self, agent: str, message: Message) -> None:
-        if self._connected((agent,)):
-            self._send(agent, message)
-        else:
-            self.counters["unanswerable"] += 1
 
     def _req_cmd_arm_lease(self, req: Request) -> None:
         self._arm(req, "arm_lease", self.config.lease_s)

@@ -38,6 +38,7 @@ from kvfsm.wire import BlockIds, Message, WireError, decode, encode
 __all__ = ["Peer", "Request", "Side", "TransferTally"]
 
 _MAX_ERRORS_KEPT = 64
+_MAX_OUTBOX = 256  # replies queued for one peer that is not connected yet
 
 
 class TransferTally(msgspec.Struct, gc=False):
@@ -67,16 +68,19 @@ class Request(msgspec.Struct, gc=False):
     peer_request_id: str = ""
     links: dict[str, Any] = msgspec.field(default_factory=dict)  # per peer agent: its part
     acks: frozenset[str] = frozenset()
+    lost: frozenset[str] = frozenset()  # peers lost while the request used them
     consumer_released: bool = False
 
 
 class Peer(msgspec.Struct, gc=False):
-    """One remote engine rank and the requests waiting for a connection to it."""
+    """One remote engine rank, the requests waiting for a connection to it, and the replies that
+    wait for it (to a peer P never connected to, e.g. a failure before the match)."""
 
     id: str
     state: str = "unknown"
     history: list[tuple[str, str, float]] | None = None
     waiters: dict[str, None] = msgspec.field(default_factory=dict)
+    outbox: list[bytes] = msgspec.field(default_factory=list)
 
 
 class Side:
@@ -203,6 +207,20 @@ class Side:
 
     def _send(self, peer: str, message: Message) -> None:
         self._out.append(SendNotification(peer, encode(message)))
+
+    def _reply(self, agent: str, message: Message) -> None:
+        """Send `message` to `agent`, connecting first if needed (bounded queue meanwhile)."""
+        peer = self.peers.get(agent)
+        if peer is not None and peer.state == "connected":
+            self._send(agent, message)
+            return
+        if peer is None:
+            peer = self.peers[agent] = Peer(agent)
+        if peer.state == "closed" or len(peer.outbox) >= _MAX_OUTBOX:
+            self.counters["unanswerable"] += 1
+            return
+        peer.outbox.append(encode(message))
+        self._peer.fire(peer, "connect", self._now)
 
     def _count_error(self, kind: str, detail: str) -> None:
         self.counters[kind] += 1
@@ -341,6 +359,8 @@ class Side:
         self._emit(RemoveAgent(peer.id))
 
     def _peer_cmd_wake_waiters(self, peer: Peer) -> None:
+        outbox, peer.outbox = peer.outbox, []
+        self._out.extend(SendNotification(peer.id, payload) for payload in outbox)
         waiters, peer.waiters = peer.waiters, {}
         for rid in waiters:
             req = self.requests.get(rid)
@@ -348,9 +368,11 @@ class Side:
                 self._runq.post(self._req, req, "peer_connected")
 
     def _peer_cmd_fail_waiters(self, peer: Peer) -> None:
-        peer.waiters = {}
+        self.counters["unanswerable"] += len(peer.outbox)
+        peer.waiters, peer.outbox = {}, []
         for req in list(self.requests.values()):
             if peer.id in req.peers:
+                req.lost |= {peer.id}
                 self._runq.post(self._req, req, "peer_unreachable")
 
     # --- the transfer tally ---------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvfsm.core import Mode
+from kvfsm.core import Mode, PrefillFinished
 from kvfsm.fabric import SimFaults
 from kvfsm.testing._cluster import SimCluster
 
@@ -43,12 +43,21 @@ def _transferring(mode: Mode) -> str:
     return "writing" if mode == "push" else "reading"
 
 
-def d_aborts_mid_transfer(mode: Mode) -> SimCluster:
-    """D aborts while the transfer is in flight; then again (idempotent)."""
-    c = _cluster(mode)
+def _mid_transfer(mode: Mode, outcome: str | None = None, p_tp: int = 1) -> SimCluster:
+    """One request whose transfer is in flight (its post scripted to `outcome`, if given)."""
+    c = _cluster(mode, p_tp=p_tp)
+    if outcome is not None:
+        poster = "D#0" if mode == "pull" else "P#0"
+        c.network.inject_next_post(poster, outcome)  # type: ignore[arg-type]
     c.admit("r", 2)
     c.finish_prefill("r")
     _until(c, "D#0", "r", _transferring(mode))
+    return c
+
+
+def d_aborts_mid_transfer(mode: Mode) -> SimCluster:
+    """D aborts while the transfer is in flight; then again (idempotent)."""
+    c = _mid_transfer(mode)
     c.abort("r", "D")
     c.abort("r", "D")
     return c
@@ -56,36 +65,24 @@ def d_aborts_mid_transfer(mode: Mode) -> SimCluster:
 
 def d_aborts_stuck_transfer(mode: Mode) -> SimCluster:
     """D aborts while the transfer hangs in PROC: the stall bound ends it."""
-    c = _cluster(mode)
-    c.network.inject_next_post("D#0" if mode == "pull" else "P#0", "stuck")
-    c.admit("r", 2)
-    c.finish_prefill("r")
-    _until(c, "D#0", "r", _transferring(mode))
+    c = _mid_transfer(mode, "stuck")
     c.abort("r", "D")
     return c
 
 
 def d_aborts_failing_transfer(mode: Mode) -> SimCluster:
     """D aborts while a transfer that will end in ERR is in flight."""
-    c = _cluster(mode)
-    c.network.inject_next_post("D#0" if mode == "pull" else "P#0", "err")
-    c.admit("r", 2)
-    c.finish_prefill("r")
-    _until(c, "D#0", "r", _transferring(mode))
+    c = _mid_transfer(mode, "err")
     c.abort("r", "D")
     return c
 
 
 def p_aborts_mid_transfer(mode: Mode, outcome: str | None = None) -> SimCluster:
-    """P aborts while the transfer is in flight (optionally stuck or failing)."""
-    c = _cluster(mode)
-    if outcome is not None:
-        c.network.inject_next_post("D#0" if mode == "pull" else "P#0", outcome)  # type: ignore[arg-type]
-    c.admit("r", 2)
-    c.finish_prefill("r")
-    _until(c, "D#0", "r", _transferring(mode))
+    """P aborts while the transfer is in flight (optionally stuck or failing); D hears of it
+    mid-transfer; P aborts again."""
+    c = _mid_transfer(mode, outcome)
     c.abort("r", "P")
-    c.step(1e-3)  # D hears of it mid-transfer
+    c.step(1e-3)
     c.abort("r", "P")
     return c
 
@@ -102,20 +99,14 @@ def p_aborts_failing(mode: Mode) -> SimCluster:
 
 def p_dies_mid_transfer(mode: Mode) -> SimCluster:
     """P's host resets connections while the transfer is in flight."""
-    c = _cluster(mode)
-    c.admit("r", 2)
-    c.finish_prefill("r")
-    _until(c, "D#0", "r", _transferring(mode))
+    c = _mid_transfer(mode)
     c.kill("P#0", reset=True)
     return c
 
 
 def d_dies_while_p_drains(mode: Mode) -> SimCluster:
     """D's host resets while P drains an aborted transfer."""
-    c = _cluster(mode)
-    c.admit("r", 2)
-    c.finish_prefill("r")
-    _until(c, "D#0", "r", _transferring(mode))
+    c = _mid_transfer(mode)
     c.kill("D#0", reset=True)
     c.abort("r", "P")
     return c
@@ -177,10 +168,7 @@ def two_consumers_register_early(mode: Mode) -> SimCluster:
 
 def two_producers_one_grant_late(mode: Mode) -> SimCluster:
     """D reads from two P ranks; it aborts after the first grant, the second arrives late."""
-    c = _cluster(mode, p_tp=2, slow=True)
-    c.admit("r", 2)
-    c.finish_prefill("r")
-    _until(c, "D#0", "r", _transferring(mode))
+    c = _mid_transfer(mode, p_tp=2)
     c.abort("r", "D")
     return c
 
@@ -246,11 +234,7 @@ def consumers_withdraw_while_p_connects(mode: Mode) -> SimCluster:
 
 def peer_lost_while_p_drains(mode: Mode) -> SimCluster:
     """P drains a hung transfer when D goes silent and a new process takes its place."""
-    c = _cluster(mode)
-    c.network.inject_next_post("D#0" if mode == "pull" else "P#0", "stuck")
-    c.admit("r", 2)
-    c.finish_prefill("r")
-    _until(c, "D#0", "r", _transferring(mode))
+    c = _mid_transfer(mode, "stuck")
     c.abort("r", "P")
     c.kill("D#0", reset=False)
     c.revive("D#0")
@@ -298,6 +282,37 @@ def consumer_lost_before_prefill_ends(mode: Mode) -> SimCluster:
     return c
 
 
+def one_of_two_producers_lost(mode: Mode) -> SimCluster:
+    """D receives from two P ranks; one dies (its host resetting) mid-transfer, and, in a second
+    request, after its part completed but before the other rank even started."""
+    c = _mid_transfer(mode, p_tp=2)
+    c.kill("P#0", reset=True)
+    c.settle()
+    c.revive("P#0")
+    pr = c.admit("after", 2)
+    c.step(0.01)
+    c.engines["P#0"].submit(PrefillFinished(pr.p_id, pr.p_blocks))  # only P#0's prefill ends
+    _until(c, "P#0", "after", _transferring(mode), "done")
+    for dt in (0.3, 0.01):  # P#0's part lands and D hears its completion
+        c.step(dt)
+    c.kill("P#0", reset=True)
+    c.step(0.6)  # D's heartbeat finds P#0 gone
+    c.finish_prefill("after")  # now P#1's part starts
+    return c
+
+
+def d_gives_up_while_p_connects(mode: Mode) -> SimCluster:
+    """P matched D's registration and still connects to D when D gives up."""
+    c = _cluster(mode, slow=False)
+    c.directory.hang_next("D#0", seconds=0.5)
+    c.admit("r", 2)
+    c.finish_prefill("r")
+    _until(c, "P#0", "r", "matched")
+    c.abort("r", "D")
+    c.step(0.01)
+    return c
+
+
 SCENARIOS: tuple[Scenario, ...] = (
     d_aborts_mid_transfer,
     d_aborts_stuck_transfer,
@@ -321,6 +336,8 @@ SCENARIOS: tuple[Scenario, ...] = (
     p_replaced_mid_transfer,
     second_consumer_registers_mid_transfer,
     consumer_lost_before_prefill_ends,
+    one_of_two_producers_lost,
+    d_gives_up_while_p_connects,
 )
 
 

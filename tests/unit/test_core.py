@@ -350,6 +350,7 @@ def test_watchdog_reports_blocks_invalid_when_p_never_acts(mode: Mode) -> None:
     out = Outputs(cluster)
     pr = cluster.admit("r", 4)
     cluster.network.drop_next_notif("P#0")  # D's registration: P never acts on it
+    cluster.directory.hang_next("D#0")  # nor can it connect to D to acknowledge D's cancel
     cluster.finish_prefill("r")
     run(cluster, wd - 0.05)
     assert state(cluster, "D#0", pr.d_id) == "registered" and out.of("D#0", pr.d_id) == []
