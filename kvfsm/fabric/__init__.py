@@ -1,5 +1,6 @@
 """Fabrics: the `Fabric` protocol and its implementations."""
 
+from kvfsm.fabric._nixl import NixlFabric, nixl_api
 from kvfsm.fabric._protocol import (
     DescArray,
     DlistHandle,
@@ -22,6 +23,7 @@ __all__ = [
     "Fabric",
     "FabricError",
     "MemoryHandle",
+    "NixlFabric",
     "NotFoundError",
     "RemoteDisconnectedError",
     "RepostError",
@@ -32,4 +34,5 @@ __all__ = [
     "XferHandle",
     "XferOp",
     "XferState",
+    "nixl_api",
 ]

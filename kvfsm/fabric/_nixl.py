@@ -1,0 +1,235 @@
+"""`NixlFabric`: the `Fabric` protocol on a real NIXL agent (UCX backend, DRAM).
+
+NIXL is not thread-safe: one thread must own a `NixlFabric` and make every call. The agent is
+created without NIXL's progress thread (it busy-polls a core, which on small machines made
+transfers 3-8x slower); progress is driven by the owner's own `check_xfer_state` and
+`get_new_notifs` calls. NIXL's typed exceptions become kvfsm's `FabricError` subclasses.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from kvfsm.fabric._protocol import (
+    DescArray,
+    DlistHandle,
+    FabricError,
+    MemoryHandle,
+    NotFoundError,
+    RemoteDisconnectedError,
+    RepostError,
+    XferHandle,
+    XferOp,
+    XferState,
+)
+
+__all__ = ["NixlFabric", "nixl_api"]
+
+_LOCAL = "NIXL_INIT_AGENT"  # NIXL's name for "my own memory" in prep_xfer_dlist
+T = TypeVar("T")
+
+
+def nixl_api() -> Any:
+    """NIXL's Python API module: `nixl._api`, else the CUDA-variant packages' copies."""
+    for name in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise ImportError(
+        "NIXL is not installed: pip install nixl-cu12==1.5.1 && pip install --no-deps nixl==1.5.1"
+    )
+
+
+def _bindings(api: Any) -> Any:
+    return importlib.import_module(api.__name__.rsplit(".", 1)[0] + "._bindings")
+
+
+class NixlFabric:
+    """One NIXL agent behind the `Fabric` protocol; handles are small integers."""
+
+    def __init__(self, name: str, *, progress_thread: bool = False) -> None:
+        api = nixl_api()
+        self._errors = _error_map(_bindings(api))
+        config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+        self._agent = api.nixl_agent(name, config)
+        self._name = name
+        self._ids = itertools.count(1)
+        self._memory: dict[int, Any] = {}
+        self._dlists: dict[int, Any] = {}
+        self._xfers: dict[int, Any] = {}
+        self._remotes: set[str] = set()
+
+    @property
+    def agent_name(self) -> str:
+        """This agent's name."""
+        return self._name
+
+    def register_memory(self, buffer: npt.NDArray[np.uint8]) -> MemoryHandle:
+        """Register a contiguous 1-D uint8 numpy buffer (DRAM)."""
+        if not isinstance(buffer, np.ndarray) or buffer.ndim != 1 or buffer.dtype != np.uint8:
+            raise TypeError("register_memory needs a contiguous 1-D numpy uint8 array")
+        descs = self._agent.get_reg_descs([(int(buffer.ctypes.data), buffer.nbytes, 0, "")], "DRAM")
+        with self._translated():
+            registered = self._agent.register_memory(descs)
+        return self._keep(self._memory, registered)
+
+    def deregister_memory(self, handle: MemoryHandle) -> None:
+        """Deregister a buffer."""
+        with self._translated():
+            self._agent.deregister_memory(self._take(self._memory, handle))
+
+    def get_agent_metadata(self) -> bytes:
+        """This agent's metadata, for a peer's `add_remote_agent`."""
+        meta: bytes = self._agent.get_agent_metadata()
+        return meta
+
+    def add_remote_agent(self, metadata: bytes) -> str:
+        """Load a peer's metadata; returns its name."""
+        with self._translated():
+            name = self._agent.add_remote_agent(metadata)
+        agent = name.decode() if isinstance(name, bytes) else str(name)
+        self._remotes.add(agent)
+        return agent
+
+    def remove_remote_agent(self, agent: str) -> None:
+        """Forget a peer."""
+        self._remotes.discard(agent)
+        with self._translated():
+            self._agent.remove_remote_agent(agent)
+
+    def prep_xfer_dlist(self, agent: str | None, descs: DescArray) -> DlistHandle:
+        """Prepare a descriptor list of local memory (`agent=None`) or of a loaded peer's."""
+        rows = np.ascontiguousarray(descs, dtype=np.int64)
+        with self._translated():
+            xfer_descs = self._agent.get_xfer_descs(rows, "DRAM")
+            dlist = self._agent.prep_xfer_dlist(agent or _LOCAL, xfer_descs, "DRAM")
+        return self._keep(self._dlists, dlist)
+
+    def release_dlist_handle(self, handle: DlistHandle) -> None:
+        """Release a prepared list."""
+        with self._translated():
+            self._agent.release_dlist_handle(self._take(self._dlists, handle))
+
+    def make_prepped_xfer(
+        self,
+        op: XferOp,
+        local: DlistHandle,
+        local_idx: npt.NDArray[np.int64],
+        remote: DlistHandle,
+        remote_idx: npt.NDArray[np.int64],
+        notif: bytes,
+    ) -> XferHandle:
+        """Create a transfer between rows of two prepared lists (NIXL merges adjacent rows)."""
+        with self._translated():
+            xfer = self._agent.make_prepped_xfer(
+                op, self._get(self._dlists, local), local_idx, self._get(self._dlists, remote),
+                remote_idx, notif,
+            )  # fmt: skip
+        return self._keep(self._xfers, xfer)
+
+    def transfer(self, handle: XferHandle) -> XferState:
+        """Post a transfer."""
+        with self._translated():
+            return self._state(self._agent.transfer(self._get(self._xfers, handle)))
+
+    def check_xfer_state(self, handle: XferHandle) -> XferState:
+        """Progress and report a posted transfer."""
+        with self._translated():
+            return self._state(self._agent.check_xfer_state(self._get(self._xfers, handle)))
+
+    def release_xfer_handle(self, handle: XferHandle) -> None:
+        """Release a transfer (NIXL aborts one still in progress)."""
+        with self._translated():
+            self._agent.release_xfer_handle(self._take(self._xfers, handle))
+
+    def send_notif(self, agent: str, msg: bytes) -> None:
+        """Send a notification to a loaded peer."""
+        with self._translated():
+            self._agent.send_notif(agent, msg)
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        """Notifications received since the last call, by sender."""
+        with self._translated():
+            notifs: dict[Any, list[bytes]] = self._agent.get_new_notifs()
+        return {(k.decode() if isinstance(k, bytes) else str(k)): v for k, v in notifs.items()}
+
+    def close(self) -> None:
+        """Release every handle, list, peer and registration (errors are ignored: best effort)."""
+        for table, release in (
+            (self._xfers, self._agent.release_xfer_handle),
+            (self._dlists, self._agent.release_dlist_handle),
+            (self._memory, self._agent.deregister_memory),
+        ):
+            for handle in list(table.values()):
+                _quietly(release, handle)
+            table.clear()
+        for agent in list(self._remotes):
+            _quietly(self._agent.remove_remote_agent, agent)
+        self._remotes.clear()
+
+    def open_resources(self) -> dict[str, int]:
+        """Counts of what this agent holds (for leak tests)."""
+        return {
+            "memory": len(self._memory),
+            "dlists": len(self._dlists),
+            "xfers": len(self._xfers),
+            "remote_agents": len(self._remotes),
+        }
+
+    # --- helpers -------------------------------------------------------------------------------
+
+    def _keep(self, table: dict[int, Any], obj: Any) -> int:
+        handle = next(self._ids)
+        table[handle] = obj
+        return handle
+
+    def _get(self, table: dict[int, Any], handle: int) -> Any:
+        obj = table.get(handle)
+        if obj is None:
+            raise NotFoundError(f"unknown handle {handle} on agent {self._name!r}")
+        return obj
+
+    def _take(self, table: dict[int, Any], handle: int) -> Any:
+        obj = self._get(table, handle)
+        del table[handle]
+        return obj
+
+    @staticmethod
+    def _state(state: str) -> XferState:
+        if state in ("DONE", "PROC", "ERR"):
+            return state  # type: ignore[return-value]
+        raise FabricError(f"NIXL reported an unknown transfer state {state!r}")
+
+    @contextmanager
+    def _translated(self) -> Iterator[None]:
+        try:
+            yield
+        except FabricError:
+            raise
+        except Exception as exc:  # NIXL raises its own types (and sometimes plain ones)
+            kind = self._errors.get(type(exc).__name__, FabricError)
+            raise kind(f"{self._name}: {type(exc).__name__}: {exc}") from exc
+
+
+def _error_map(bindings: Any) -> dict[str, type[FabricError]]:
+    known = {
+        "nixlRemoteDisconnectError": RemoteDisconnectedError,
+        "nixlRepostActiveError": RepostError,
+        "nixlNotFoundError": NotFoundError,
+    }
+    return {name: kind for name, kind in known.items() if hasattr(bindings, name)}
+
+
+def _quietly(call: Callable[[T], object], arg: T) -> None:
+    try:
+        call(arg)
+    except Exception:  # best-effort cleanup: nothing useful to do with it
+        return
