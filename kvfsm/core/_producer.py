@@ -11,7 +11,7 @@ from kvfsm.core._config import CoreConfig, Identity, Mode, paired_ranks
 from kvfsm.core._dispatch import Tombstones
 from kvfsm.core._io import Admit, PostTransfer, PrefillFinished, Tick
 from kvfsm.core._matching import PendingRegistrations
-from kvfsm.core._side import Request, Side
+from kvfsm.core._side import Request, Side, TransferTally
 from kvfsm.wire import (
     BlockIds,
     Cancel,
@@ -269,11 +269,11 @@ class Producer(Side):
         req.consumer_released = True
 
     def _req_cmd_drop_registration(self, req: Request) -> None:
-        link = req.links.pop(self._sender, None)
-        if link is None:
-            return
-        req.peers = tuple(a for a in req.peers if a != link.agent)
-        self._by_consumer.pop((link.agent, link.request_id), None)
+        # D's ranks give up together: one rank's cancel withdraws every rank's registration.
+        for link in req.links.values():
+            self._by_consumer.pop((link.agent, link.request_id), None)
+        req.links, req.peers = {}, ()
+        req.tally = TransferTally(req.id, 1)
         self._waiting[req.id] = req
         self._waiting_base.setdefault(base_request_id(req.id), {})[req.id] = None
 

@@ -283,21 +283,27 @@ def consumer_lost_before_prefill_ends(mode: Mode) -> SimCluster:
 
 
 def one_of_two_producers_lost(mode: Mode) -> SimCluster:
-    """D receives from two P ranks; one dies (its host resetting) mid-transfer, and, in a second
-    request, after its part completed but before the other rank even started."""
+    """D receives from two P ranks; one dies (its host resetting) mid-transfer; then, in two more
+    requests, after its part completed, while the other rank has not started (it acknowledges
+    D's cancel) or starts before the cancel reaches it (its completion comes late)."""
     c = _mid_transfer(mode, p_tp=2)
     c.kill("P#0", reset=True)
     c.settle()
-    c.revive("P#0")
-    pr = c.admit("after", 2)
-    c.step(0.01)
-    c.engines["P#0"].submit(PrefillFinished(pr.p_id, pr.p_blocks))  # only P#0's prefill ends
-    _until(c, "P#0", "after", _transferring(mode), "done")
-    for dt in (0.3, 0.01):  # P#0's part lands and D hears its completion
-        c.step(dt)
-    c.kill("P#0", reset=True)
-    c.step(0.6)  # D's heartbeat finds P#0 gone
-    c.finish_prefill("after")  # now P#1's part starts
+    for key, p1_starts_first in (("acked", False), ("late", True)):
+        c.revive("P#0")
+        pr = c.admit(key, 2)
+        c.step(0.01)
+        c.engines["P#0"].submit(PrefillFinished(pr.p_id, pr.p_blocks))  # only P#0's prefill ends
+        _until(c, "P#0", key, _transferring(mode), "done")
+        for dt in (0.3, 0.01):  # P#0's part lands and D hears its completion
+            c.step(dt)
+        c.kill("P#0", reset=True)
+        c.step(0.6)  # D's heartbeat finds P#0 gone and D cancels with P#1
+        if p1_starts_first:
+            c.finish_prefill(key)
+        c.step(0.01)
+        c.finish_prefill(key)
+        c.settle()
     return c
 
 

@@ -1,0 +1,143 @@
+"""The runtime's `Directory` over the ZMQ side channel: handshakes on a small thread pool."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import TracebackType
+
+from kvfsm.layout import BlockLayout
+from kvfsm.runtime import HandshakeError, PeerInfo
+from kvfsm.sidechannel._client import fetch_payload, validate
+from kvfsm.sidechannel._payload import HandshakePayload
+
+__all__ = ["ZmqDirectory"]
+
+_Result = PeerInfo | HandshakeError
+
+
+class ZmqDirectory:
+    """Implements the runtime's `Directory`: `start(peer)` fetches the peer agent's payload from
+    the listener at `addresses[peer]` (a mapping, or a callable that may raise for unknown peers)
+    off the caller's thread; `results()` hands back finished handshakes and never raises.
+
+    Every payload goes through `check` (default: `validate` with no expectations, i.e. sane
+    geometry); pass e.g. ``functools.partial(validate, expect_mode="pull", tp_size=2)`` for more.
+    `wait(timeout)` blocks until a result is ready, for loops with nothing else to do.
+    """
+
+    def __init__(
+        self,
+        addresses: Callable[[str], tuple[str, int]] | Mapping[str, tuple[str, int]],
+        *,
+        compat_hash: str,
+        wire_version: int,
+        timeout_s: float = 5.0,
+        max_workers: int = 4,
+        check: Callable[[HandshakePayload], None] = validate,
+    ) -> None:
+        if timeout_s <= 0 or max_workers < 1:
+            raise ValueError(f"need timeout_s > 0 and max_workers >= 1: {timeout_s}, {max_workers}")
+        self._addresses = addresses
+        self.compat_hash = compat_hash
+        self.wire_version = wire_version
+        self.timeout_s = timeout_s
+        self._check = check
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="kvfsm-directory")
+        self._ready = threading.Condition()
+        self._done: list[tuple[str, _Result]] = []  # guarded by _ready
+        self._pending = 0  # guarded by _ready
+        self._closed = False  # guarded by _ready
+
+    @property
+    def pending(self) -> int:
+        """Handshakes started and not yet finished."""
+        with self._ready:
+            return self._pending
+
+    def start(self, peer: str) -> None:
+        """Begin a handshake with agent `peer`; its result appears in `results()`."""
+        with self._ready:
+            if self._closed:
+                self._done.append(
+                    (peer, HandshakeError(f"handshake with {peer!r}: directory closed"))
+                )
+                self._ready.notify_all()
+                return
+            self._pending += 1
+            future = self._pool.submit(self._handshake, peer)
+        future.add_done_callback(lambda f: self._finish(peer, f))
+
+    def results(self) -> list[tuple[str, PeerInfo | HandshakeError]]:
+        """Handshakes finished since the last call: the peer's information or why it failed."""
+        with self._ready:
+            done, self._done = self._done, []
+        return done
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until a result is ready (or `timeout` seconds pass); True if one is."""
+        with self._ready:
+            return self._ready.wait_for(lambda: bool(self._done), timeout)
+
+    def _resolve(self, peer: str) -> tuple[str, int]:
+        try:
+            if callable(self._addresses):
+                host, port = self._addresses(peer)
+            else:
+                host, port = self._addresses[peer]
+        except Exception as exc:
+            raise HandshakeError(f"no side-channel address for {peer!r}: {exc!r}") from exc
+        return host, int(port)
+
+    def _handshake(self, peer: str) -> _Result:
+        # Runs on a pool thread; anything it raises becomes a failed handshake in `_finish`.
+        host, port = self._resolve(peer)
+        payload = fetch_payload(
+            host,
+            port,
+            peer,
+            compat_hash=self.compat_hash,
+            wire_version=self.wire_version,
+            timeout_s=self.timeout_s,
+        )
+        self._check(payload)
+        layout = BlockLayout(payload.num_blocks, payload.block_bytes)
+        return PeerInfo(payload.agent, payload.agent_metadata, payload.base_address, layout)
+
+    def _finish(self, peer: str, future: Future[_Result]) -> None:
+        result: _Result
+        if future.cancelled():
+            result = HandshakeError(f"handshake with {peer!r} cancelled: directory closed")
+        else:
+            exc = future.exception()
+            if exc is None:
+                result = future.result()
+            elif isinstance(exc, HandshakeError):
+                result = exc
+            else:
+                result = HandshakeError(f"handshake with {peer!r} failed: {exc!r}")
+                result.__cause__ = exc
+        with self._ready:
+            self._pending -= 1
+            self._done.append((peer, result))
+            self._ready.notify_all()
+
+    def close(self) -> None:
+        """Cancel queued handshakes and wait for running ones (each ends within `timeout_s`)."""
+        with self._ready:
+            if self._closed:
+                return
+            self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> ZmqDirectory:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

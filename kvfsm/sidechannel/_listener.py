@@ -1,0 +1,183 @@
+"""The serving end of the handshake: a ZMQ ROUTER socket answering on one daemon thread."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable
+from types import TracebackType
+
+import zmq
+
+from kvfsm.sidechannel._payload import (
+    _HARD_LIMIT_BYTES,
+    MAX_HANDSHAKE_BYTES,
+    HandshakeAccepted,
+    HandshakePayload,
+    HandshakeRefused,
+    HandshakeReply,
+    SidechannelError,
+    decode_request,
+    encode,
+)
+
+__all__ = ["HandshakeListener"]
+
+_POLL_MS = 50
+"""How long the thread waits for a request before checking whether `close()` was called."""
+_BATCH = 64
+"""Requests answered per wake-up at most, so a flood cannot delay `close()` indefinitely."""
+
+
+def _endpoint(host: str, port: int | str) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+class HandshakeListener:
+    """Answers handshake requests for the agents `payloads` knows (None for an unknown agent).
+
+    `payloads` is called on the listener's thread, not the caller's: it must be thread-safe and
+    must not touch the fabric (build each payload in advance and look it up). Binds `host:port`
+    (127.0.0.1 by default; port 0 picks a free port, see `.port`). `.counters` counts requests
+    by outcome (`accepted`, `refused`, `malformed`, `oversized`, `errors`; disjoint).
+    """
+
+    def __init__(
+        self,
+        payloads: Callable[[str], HandshakePayload | None],
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        self._payloads = payloads
+        self.host = host
+        self.counters: Counter[str] = Counter()
+        # An own context: terminating it on close waits until libzmq has really closed the
+        # listening socket, so the port can be bound again as soon as close() returns.
+        self._context = zmq.Context(io_threads=1)
+        self._socket = self._bind(host, port)
+        self.port = self._bound_port()
+        self._stop = threading.Event()
+        self._closed = False
+        self.thread = threading.Thread(
+            target=self._serve, name=f"kvfsm-handshake-{host}:{self.port}", daemon=True
+        )
+        self.thread.start()
+
+    def _bind(self, host: str, port: int) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] = self._context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, _HARD_LIMIT_BYTES)
+        if ":" in host:
+            sock.setsockopt(zmq.IPV6, 1)
+        try:
+            sock.bind(_endpoint(host, "*" if port == 0 else port))
+        except zmq.ZMQError as exc:
+            sock.close()
+            self._context.term()
+            if exc.errno == zmq.EADDRINUSE:
+                raise SidechannelError(
+                    f"cannot listen for handshakes: {host}:{port} is in use (another listener or "
+                    f"process holds it); choose another port, or pass port=0 to pick a free one"
+                ) from exc
+            raise SidechannelError(f"cannot listen for handshakes on {host}:{port}: {exc}") from exc
+        return sock
+
+    def _bound_port(self) -> int:
+        endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        return int(endpoint.rsplit(":", 1)[1])
+
+    # --- serving (listener thread only) --------------------------------------------------------
+
+    def _serve(self) -> None:
+        sock = self._socket
+        while not self._stop.is_set():
+            try:
+                if not sock.poll(_POLL_MS, zmq.POLLIN):
+                    continue
+                for _ in range(_BATCH):
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._answer(frames)
+            except Exception:
+                # Whatever went wrong, the next peer must still get answers: count and go on,
+                # pausing so that a persistently failing socket cannot spin this thread.
+                self.counters["errors"] += 1
+                self._stop.wait(_POLL_MS / 1000)
+
+    def _answer(self, frames: list[bytes]) -> None:
+        # ROUTER prepends the peer identity; a REQ peer adds an empty delimiter, a DEALER none.
+        envelope, body = frames[:1], frames[1:]
+        if body and body[0] == b"":
+            envelope, body = frames[:2], frames[2:]
+        try:
+            reply, outcome = self._reply(body)
+        except Exception as exc:
+            # A failing `payloads` must not leave the asker waiting for its whole timeout.
+            reply, outcome = HandshakeRefused(f"listener error: {exc!r:.200}"), "errors"
+        self.counters[outcome] += 1
+        # ROUTER drops (never blocks on) replies to peers that went away or are not reading.
+        self._socket.send_multipart([*envelope, encode(reply)], zmq.NOBLOCK)
+
+    def _reply(self, body: list[bytes]) -> tuple[HandshakeReply, str]:
+        size = sum(len(frame) for frame in body)
+        if size > MAX_HANDSHAKE_BYTES:
+            reason = f"oversized request: {size} bytes exceeds {MAX_HANDSHAKE_BYTES}"
+            return HandshakeRefused(reason), "oversized"
+        if len(body) != 1:
+            return HandshakeRefused(f"malformed request: {len(body)} frames, not 1"), "malformed"
+        try:
+            request = decode_request(body[0])
+        except SidechannelError as exc:
+            return HandshakeRefused(str(exc)), "malformed"
+        payload = self._payloads(request.agent)
+        if payload is None:
+            return HandshakeRefused(f"no agent {request.agent!r} at {self.where}"), "refused"
+        if request.wire_version != payload.wire_version:
+            reason = (
+                f"wire version mismatch: you speak {request.wire_version}, "
+                f"{request.agent!r} speaks {payload.wire_version}"
+            )
+            return HandshakeRefused(reason), "refused"
+        if request.compat_hash != payload.compat_hash:
+            reason = (
+                f"compat hash mismatch: you have {request.compat_hash}, "
+                f"{request.agent!r} has {payload.compat_hash} (model, dtype, attention geometry, "
+                f"mode or wire version differ)"
+            )
+            return HandshakeRefused(reason), "refused"
+        return HandshakeAccepted(payload), "accepted"
+
+    # --- lifetime ------------------------------------------------------------------------------
+
+    @property
+    def where(self) -> str:
+        """`host:port` this listener is bound to."""
+        return f"{self.host}:{self.port}"
+
+    def close(self) -> None:
+        """Stop the thread, close the socket and release the port (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self.thread.join()
+        # The thread has ended: closing its socket here is safe (join is a memory barrier).
+        self._socket.close(linger=0)
+        self._context.term()
+
+    def __enter__(self) -> HandshakeListener:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"HandshakeListener({self.where}, {state}, {dict(self.counters)})"

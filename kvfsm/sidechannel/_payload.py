@@ -1,0 +1,152 @@
+"""What the handshake side channel carries: a request, a reply and the payload it describes.
+
+The side channel runs before any NIXL connection exists: it tells the asking engine rank the
+peer's agent metadata and where its KV blocks are. Both ends agree on a `compat_hash` covering what
+must be equal on both sides (model, dtype, attention geometry, mode, wire version); what may differ
+(TP size, block size) travels in the payload and is checked by `validate`. Every frame is bounded
+and type-checked on decode, so garbage from the network becomes a `SidechannelError`, never a crash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+__all__ = [
+    "MAX_HANDSHAKE_BYTES",
+    "HandshakeAccepted",
+    "HandshakePayload",
+    "HandshakeRefused",
+    "HandshakeReply",
+    "HandshakeRequest",
+    "SidechannelError",
+    "compat_hash",
+    "decode_reply",
+    "decode_request",
+    "encode",
+]
+
+MAX_HANDSHAKE_BYTES = 1 << 20
+"""Largest request or reply accepted. NIXL agent metadata is a few KiB; 1 MiB leaves headroom
+while bounding what a stray client can make a listener allocate and parse."""
+
+_HARD_LIMIT_BYTES = 2 * MAX_HANDSHAKE_BYTES
+"""ZMQ_MAXMSGSIZE of both ends: libzmq drops (without a reply) a connection sending a bigger
+frame, so a stray peer cannot make us buffer arbitrary amounts; frames between the two limits
+get a refusal or error saying why."""
+
+_MAGIC = b"kvhs1"  # kvfsm handshake framing v1: lets a decoder say "not ours" before parsing
+
+
+class SidechannelError(Exception):
+    """A side-channel frame or socket problem: malformed or oversized frame, port in use."""
+
+
+class HandshakeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Asking side -> listener: the agent it wants, and its own wire version and compat hash."""
+
+    agent: str
+    wire_version: int
+    compat_hash: str
+
+
+class HandshakePayload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Everything a peer needs to reach one engine rank's KV blocks over NIXL."""
+
+    engine_id: str
+    agent: str
+    rank: int
+    tp_size: int
+    agent_metadata: bytes
+    base_address: int
+    num_blocks: int
+    block_bytes: int
+    kv_layout: str
+    block_size: int
+    """Tokens per block (may differ between the two sides; see `validate`)."""
+    mode: str
+    wire_version: int
+    compat_hash: str
+
+
+class HandshakeAccepted(
+    msgspec.Struct, frozen=True, tag_field="k", tag="ok", forbid_unknown_fields=True
+):
+    """Listener -> asking side: the payload of the requested agent."""
+
+    payload: HandshakePayload
+
+
+class HandshakeRefused(
+    msgspec.Struct, frozen=True, tag_field="k", tag="no", forbid_unknown_fields=True
+):
+    """Listener -> asking side: the request was refused, and why."""
+
+    reason: str
+
+
+HandshakeReply = HandshakeAccepted | HandshakeRefused
+
+_Frame = HandshakeRequest | HandshakeAccepted | HandshakeRefused
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(HandshakeRequest)
+_reply_decoder = msgspec.msgpack.Decoder(HandshakeReply)
+
+
+def encode(message: _Frame) -> bytes:
+    """Encode a request or a reply as one side-channel frame."""
+    return _MAGIC + _encoder.encode(message)
+
+
+def _body(data: bytes, what: str) -> bytes:
+    if len(data) > MAX_HANDSHAKE_BYTES:
+        raise SidechannelError(f"{what} of {len(data)} bytes exceeds {MAX_HANDSHAKE_BYTES}")
+    if not data.startswith(_MAGIC):
+        raise SidechannelError(f"{what} is not a kvfsm handshake frame (starts {data[:8]!r})")
+    return data[len(_MAGIC) :]
+
+
+def decode_request(data: bytes) -> HandshakeRequest:
+    """Decode a request frame; raise `SidechannelError` saying why it is rejected."""
+    body = _body(data, "request")
+    try:
+        request = _request_decoder.decode(body)
+    # ValueError: e.g. invalid UTF-8 in a str; RecursionError: deeply nested msgpack.
+    except (msgspec.MsgspecError, ValueError, RecursionError) as exc:
+        raise SidechannelError(f"malformed request: {exc}") from exc
+    if not request.agent:
+        raise SidechannelError("malformed request: empty agent name")
+    return request
+
+
+def decode_reply(data: bytes) -> HandshakeReply:
+    """Decode a reply frame; raise `SidechannelError` saying why it is rejected."""
+    body = _body(data, "reply")
+    try:
+        reply: HandshakeReply = _reply_decoder.decode(body)
+    except (msgspec.MsgspecError, ValueError, RecursionError) as exc:
+        raise SidechannelError(f"malformed reply: {exc}") from exc
+    return reply
+
+
+def compat_hash(
+    *,
+    wire_version: int,
+    mode: str,
+    model: str,
+    dtype: str,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> str:
+    """The sha256 (hex) of what must be equal on both sides for their KV blocks to be exchangeable.
+
+    `num_kv_heads` is the model's total (not per TP rank): TP sizes may differ between the sides,
+    as may block sizes; those travel in the payload and are checked by `validate`.
+    """
+    # A fixed-order msgpack array of plain values encodes identically everywhere; the leading
+    # label keeps these hashes apart from any other sha256 of similar-looking data.
+    fields = ["kvfsm-compat", wire_version, mode, model, dtype, num_layers, num_kv_heads, head_dim]
+    return hashlib.sha256(_encoder.encode(fields)).hexdigest()

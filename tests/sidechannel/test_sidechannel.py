@@ -1,0 +1,416 @@
+"""The ZMQ handshake side channel, over real sockets on 127.0.0.1."""
+
+from __future__ import annotations
+
+import functools
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import msgspec
+import pytest
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from kvfsm.layout import BlockLayout
+from kvfsm.runtime import HandshakeError, PeerInfo
+from kvfsm.sidechannel import (
+    MAX_HANDSHAKE_BYTES,
+    HandshakeAccepted,
+    HandshakeListener,
+    HandshakePayload,
+    HandshakeRefused,
+    HandshakeReply,
+    HandshakeRequest,
+    SidechannelError,
+    ZmqDirectory,
+    compat_hash,
+    decode_reply,
+    decode_request,
+    encode,
+    fetch_payload,
+    validate,
+)
+
+HOST = "127.0.0.1"
+WIRE = 1
+HASH = compat_hash(
+    wire_version=WIRE,
+    mode="push",
+    model="llama-3-8b",
+    dtype="bfloat16",
+    num_layers=32,
+    num_kv_heads=8,
+    head_dim=128,
+)
+SAFETY_S = 10.0  # bounds every wait in this file; never reached when things work
+
+
+def _payload(engine_id: str = "prefill", rank: int = 0, **changes: object) -> HandshakePayload:
+    base = HandshakePayload(
+        engine_id=engine_id,
+        agent=f"{engine_id}#{rank}",
+        rank=rank,
+        tp_size=2,
+        agent_metadata=b"nixl-metadata-" + engine_id.encode(),
+        base_address=0x7F0000000000 + rank,
+        num_blocks=1024,
+        block_bytes=65536,
+        kv_layout="NHD",
+        block_size=16,
+        mode="push",
+        wire_version=WIRE,
+        compat_hash=HASH,
+    )
+    return msgspec.structs.replace(base, **changes)
+
+
+PAYLOADS = {p.agent: p for p in (_payload(rank=0), _payload(rank=1))}
+
+
+@pytest.fixture
+def listener() -> Iterator[HandshakeListener]:
+    with HandshakeListener(PAYLOADS.get) as served:
+        yield served
+
+
+def _fetch(port: int, agent: str = "prefill#0", **kw: object) -> HandshakePayload:
+    args: dict[str, object] = {"compat_hash": HASH, "wire_version": WIRE, "timeout_s": SAFETY_S}
+    args.update(kw)
+    return fetch_payload(HOST, port, agent, **args)  # type: ignore[arg-type]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+def _raw_request(port: int, frames: list[bytes]) -> HandshakeReply:
+    """Send raw frames from a DEALER (no REQ framing rules) and decode the reply."""
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://{HOST}:{port}")
+        sock.send_multipart(frames)
+        assert sock.poll(int(SAFETY_S * 1000)), "the listener did not answer"
+        return decode_reply(sock.recv_multipart()[-1])
+    finally:
+        sock.close()
+
+
+@contextmanager
+def _raw_server(reply: bytes) -> Iterator[int]:
+    """A ROUTER that answers every request with `reply`; yields its port."""
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port(f"tcp://{HOST}")
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if sock.poll(20):
+                frames = sock.recv_multipart()
+                sock.send_multipart([*frames[:-1], reply])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield port
+    finally:
+        stop.set()
+        thread.join()
+        sock.close()
+
+
+# --- payload codec -------------------------------------------------------------------------------
+
+
+def test_codec_round_trips_and_rejects_garbage() -> None:
+    request = HandshakeRequest("prefill#0", WIRE, HASH)
+    assert decode_request(encode(request)) == request
+    for reply in (HandshakeAccepted(_payload()), HandshakeRefused("no")):
+        assert decode_reply(encode(reply)) == reply
+    with pytest.raises(SidechannelError, match="not a kvfsm handshake frame"):
+        decode_request(b"GET / HTTP/1.1")
+    with pytest.raises(SidechannelError, match="malformed reply"):
+        decode_reply(encode(request))
+    with pytest.raises(SidechannelError, match="exceeds"):
+        decode_request(b"x" * (MAX_HANDSHAKE_BYTES + 1))
+    with pytest.raises(SidechannelError, match="empty agent"):
+        decode_request(encode(HandshakeRequest("", WIRE, HASH)))
+
+
+def test_compat_hash_is_stable_and_covers_every_field() -> None:
+    fields: dict[str, object] = {
+        "wire_version": WIRE,
+        "mode": "push",
+        "model": "llama-3-8b",
+        "dtype": "bfloat16",
+        "num_layers": 32,
+        "num_kv_heads": 8,
+        "head_dim": 128,
+    }
+    assert compat_hash(**fields) == HASH and len(HASH) == 64  # type: ignore[arg-type]
+    changed = {"wire_version": 2, "mode": "pull", "model": "m", "dtype": "float16"}
+    changed |= {"num_layers": 33, "num_kv_heads": 4, "head_dim": 64}
+    hashes = {compat_hash(**(fields | {k: v})) for k, v in changed.items()}  # type: ignore[arg-type]
+    assert len(hashes) == len(changed) and HASH not in hashes
+
+
+# --- client and listener -------------------------------------------------------------------------
+
+
+def test_handshake_returns_the_payload(listener: HandshakeListener) -> None:
+    assert _fetch(listener.port, "prefill#1") == PAYLOADS["prefill#1"]
+    assert listener.counters == {"accepted": 1}
+
+
+def test_nothing_listening_is_a_handshake_error() -> None:
+    port = _free_port()
+    with pytest.raises(HandshakeError, match=rf"no answer from {HOST}:{port} within 0.3s"):
+        _fetch(port, timeout_s=0.3)
+
+
+def test_unknown_agent_is_refused(listener: HandshakeListener) -> None:
+    with pytest.raises(HandshakeError, match=r"refused .*no agent 'decode#0'"):
+        _fetch(listener.port, "decode#0")
+    assert listener.counters == {"refused": 1}
+
+
+def test_hash_mismatch_is_refused_naming_both_hashes(listener: HandshakeListener) -> None:
+    other = "ab" * 32
+    with pytest.raises(HandshakeError, match="compat hash mismatch") as info:
+        _fetch(listener.port, compat_hash=other)
+    assert other in str(info.value) and HASH in str(info.value)
+    assert listener.counters == {"refused": 1}
+
+
+def test_wire_version_mismatch_is_refused(listener: HandshakeListener) -> None:
+    with pytest.raises(HandshakeError, match="wire version mismatch: you speak 7"):
+        _fetch(listener.port, wire_version=7)
+
+
+@pytest.mark.parametrize(
+    ("served", "match"),
+    [
+        (_payload("other"), "engine id mismatch: asked for 'prefill', got 'other'"),
+        (_payload(rank=1), "agent mismatch: asked for 'prefill#0', got 'prefill#1'"),
+        (_payload(rank=1, agent="prefill#0"), "inconsistent payload"),
+        (_payload(compat_hash="cd" * 32, wire_version=2), "wire version mismatch"),
+    ],
+)
+def test_client_checks_what_a_faulty_listener_sends(served: HandshakePayload, match: str) -> None:
+    # A listener that ignores the request and skips its own checks: the client must catch it.
+    with (
+        _raw_server(encode(HandshakeAccepted(served))) as port,
+        pytest.raises(HandshakeError, match=match),
+    ):
+        _fetch(port)
+
+
+def test_client_checks_the_hash_of_the_payload() -> None:
+    served = _payload(compat_hash="cd" * 32)
+    with (
+        _raw_server(encode(HandshakeAccepted(served))) as port,
+        pytest.raises(HandshakeError, match="compat hash mismatch") as info,
+    ):
+        _fetch(port)
+    assert "cd" * 32 in str(info.value) and HASH in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [b"garbage", b"", encode(HandshakeRequest("x", 1, "h")), encode(HandshakeRefused("x"))[:-2]],
+)
+def test_undecodable_reply_is_a_handshake_error(reply: bytes) -> None:
+    with _raw_server(reply) as port, pytest.raises(HandshakeError, match="undecodable reply"):
+        _fetch(port)
+
+
+@pytest.mark.parametrize(
+    ("frames", "outcome", "reason"),
+    [
+        ([b"garbage"], "malformed", "not a kvfsm handshake frame"),
+        ([b"", b"garbage"], "malformed", "not a kvfsm handshake frame"),  # REQ-style framing
+        ([encode(HandshakeRefused("x"))], "malformed", "malformed request"),
+        ([encode(HandshakeRequest("", 1, "h"))], "malformed", "empty agent"),
+        ([b""], "malformed", "0 frames"),
+        ([b"a", b"b"], "malformed", "2 frames"),
+        ([b"x" * (MAX_HANDSHAKE_BYTES + 1)], "oversized", "oversized request"),
+    ],
+)
+def test_bad_requests_are_refused_and_counted(
+    listener: HandshakeListener, frames: list[bytes], outcome: str, reason: str
+) -> None:
+    reply = _raw_request(listener.port, frames)
+    assert isinstance(reply, HandshakeRefused) and reason in reply.reason
+    assert listener.counters == {outcome: 1}
+    assert _fetch(listener.port) == PAYLOADS["prefill#0"]  # still serving
+
+
+def test_frames_beyond_the_hard_limit_are_dropped(listener: HandshakeListener) -> None:
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://{HOST}:{listener.port}")
+        sock.send(b"x" * (4 * MAX_HANDSHAKE_BYTES))
+        # libzmq on the listener's side drops the connection instead of delivering the frame.
+        assert monitor.poll(int(SAFETY_S * 1000)), "the listener kept the connection"
+        assert recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+        assert not sock.poll(0)  # and sent no reply
+    finally:
+        sock.disable_monitor()
+        monitor.close()
+        sock.close()
+    assert _fetch(listener.port) == PAYLOADS["prefill#0"]
+    assert listener.counters == {"accepted": 1}
+
+
+def test_a_failing_payload_lookup_is_refused_and_the_thread_survives() -> None:
+    def lookup(agent: str) -> HandshakePayload | None:
+        if agent == "boom#0":
+            raise RuntimeError("lookup exploded")
+        return PAYLOADS.get(agent)
+
+    with HandshakeListener(lookup) as served:
+        with pytest.raises(HandshakeError, match="lookup exploded"):
+            _fetch(served.port, "boom#0")
+        assert _fetch(served.port) == PAYLOADS["prefill#0"]
+        assert served.counters == {"errors": 1, "accepted": 1}
+        assert served.thread.is_alive()
+
+
+def test_port_in_use_is_a_sidechannel_error(listener: HandshakeListener) -> None:
+    port = listener.port
+    with pytest.raises(SidechannelError, match=rf"{HOST}:{port} is in use.*port=0"):
+        HandshakeListener(PAYLOADS.get, port=port)
+    assert _fetch(port) == PAYLOADS["prefill#0"]  # the failed bind left the first one alone
+
+
+def test_close_stops_the_thread_and_frees_the_port() -> None:
+    first = HandshakeListener(PAYLOADS.get)
+    port = first.port
+    first.close()
+    first.close()  # idempotent
+    assert not first.thread.is_alive()
+    with HandshakeListener(PAYLOADS.get, port=port) as again:
+        assert again.port == port
+        assert _fetch(port) == PAYLOADS["prefill#0"]
+
+
+def test_many_concurrent_handshakes_succeed(listener: HandshakeListener) -> None:
+    agents = [f"prefill#{i % 2}" for i in range(50)]
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(lambda a: _fetch(listener.port, a), agents))
+    assert got == [PAYLOADS[a] for a in agents]
+    assert listener.counters == {"accepted": 50}
+
+
+# --- directory -----------------------------------------------------------------------------------
+
+
+def _collect(directory: ZmqDirectory, n: int) -> dict[str, PeerInfo | HandshakeError]:
+    """Results of `n` handshakes, waiting with the directory's own `wait` (bounded)."""
+    out: dict[str, PeerInfo | HandshakeError] = {}
+    while len(out) < n:
+        assert directory.wait(SAFETY_S), f"only {len(out)} of {n} handshakes finished"
+        out.update(directory.results())
+    return out
+
+
+def _info(payload: HandshakePayload) -> PeerInfo:
+    layout = BlockLayout(payload.num_blocks, payload.block_bytes)
+    return PeerInfo(payload.agent, payload.agent_metadata, payload.base_address, layout)
+
+
+def test_directory_reports_successes_and_failures(listener: HandshakeListener) -> None:
+    dead = _free_port()
+    addresses = {
+        "prefill#0": (HOST, listener.port),
+        "prefill#1": (HOST, listener.port),
+        "decode#0": (HOST, listener.port),  # listener does not serve it
+        "gone#0": (HOST, dead),
+    }
+    with ZmqDirectory(addresses, compat_hash=HASH, wire_version=WIRE, timeout_s=0.3) as directory:
+        assert directory.results() == []
+        assert not directory.wait(0)
+        for peer in [*addresses, "unmapped#0"]:
+            directory.start(peer)
+        got = _collect(directory, 5)
+        assert directory.pending == 0 and directory.results() == []
+    assert got["prefill#0"] == _info(PAYLOADS["prefill#0"])
+    assert got["prefill#1"] == _info(PAYLOADS["prefill#1"])
+    expected = {"decode#0": "no agent", "gone#0": "no answer", "unmapped#0": "no side-channel"}
+    for peer, text in expected.items():
+        result = got[peer]
+        assert isinstance(result, HandshakeError) and text in str(result), (peer, result)
+
+
+def test_directory_checks_payloads(listener: HandshakeListener) -> None:
+    def resolve(peer: str) -> tuple[str, int]:
+        if peer.startswith("prefill"):
+            return HOST, listener.port
+        raise LookupError(peer)
+
+    check: Callable[[HandshakePayload], None] = functools.partial(validate, expect_mode="pull")
+    with ZmqDirectory(resolve, compat_hash=HASH, wire_version=WIRE, check=check) as directory:
+        directory.start("prefill#0")
+        directory.start("elsewhere#0")
+        got = _collect(directory, 2)
+    assert "mode mismatch: we run 'pull', peer runs 'push'" in str(got["prefill#0"])
+    assert "LookupError" in str(got["elsewhere#0"])
+
+
+def test_directory_turns_bad_geometry_into_a_result() -> None:
+    bad = _payload(num_blocks=0)
+    with (
+        HandshakeListener({bad.agent: bad}.get) as served,
+        ZmqDirectory({bad.agent: (HOST, served.port)}, compat_hash=HASH, wire_version=WIRE) as d,
+    ):
+        d.start(bad.agent)
+        (result,) = _collect(d, 1).values()
+    assert isinstance(result, HandshakeError) and "num_blocks must be > 0" in str(result)
+
+
+def test_directory_after_close_reports_instead_of_raising() -> None:
+    directory = ZmqDirectory({}, compat_hash=HASH, wire_version=WIRE)
+    directory.close()
+    directory.close()
+    directory.start("prefill#0")
+    ((peer, result),) = directory.results()
+    assert peer == "prefill#0" and isinstance(result, HandshakeError)
+
+
+def test_directory_runs_many_handshakes(listener: HandshakeListener) -> None:
+    addresses = {a: (HOST, listener.port) for a in PAYLOADS}
+    with ZmqDirectory(addresses, compat_hash=HASH, wire_version=WIRE, max_workers=8) as directory:
+        for i in range(50):
+            directory.start(f"prefill#{i % 2}")
+        results: list[tuple[str, PeerInfo | HandshakeError]] = []
+        while len(results) < 50:
+            assert directory.wait(SAFETY_S)
+            results += directory.results()
+    assert all(info == _info(PAYLOADS[peer]) for peer, info in results)
+
+
+# --- validate ------------------------------------------------------------------------------------
+
+
+def test_validate_accepts_compatible_geometry() -> None:
+    validate(_payload(), expect_mode="push", tp_size=4, block_size=32, kv_layout="NHD")
+    validate(_payload(), tp_size=1, block_size=16)
+
+
+def test_validate_lists_every_problem() -> None:
+    bad = _payload(num_blocks=0, block_bytes=-1, block_size=0, rank=2, agent="prefill#2")
+    with pytest.raises(HandshakeError) as info:
+        validate(bad, expect_mode="pull", tp_size=3, block_size=16, kv_layout="HND")
+    text = str(info.value)
+    for part in ("num_blocks", "block_bytes", "block_size must", "rank 2", "mode mismatch"):
+        assert part in text
+    assert "kv layout mismatch" in text and "TP sizes 3" in text and "block sizes 16" in text
