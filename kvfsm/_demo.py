@@ -36,6 +36,10 @@ class DemoReport(msgspec.Struct, kw_only=True):
     counters: dict[str, int]
     simulated_s: float
     cpu_s: float
+    wall_s: float = 0.0
+    gbps: float = 0.0
+    handoff_ms_p50: float = 0.0
+    handoff_ms_p99: float = 0.0
 
     @property
     def ok(self) -> bool:

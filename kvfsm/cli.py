@@ -21,7 +21,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
 
     demo = commands.add_parser("demo", help="move KV between a P and a D engine, bytes checked")
-    demo.add_argument("--fabric", choices=["sim", "nixl"], default="sim")
+    demo.add_argument(
+        "--fabric", choices=["nixl", "sim"], default="nixl",
+        help="nixl: P and D processes over real NIXL (default); sim: the simulated fabric",
+    )  # fmt: skip
     demo.add_argument("--mode", choices=["push", "pull"], default="push")
     demo.add_argument("--requests", type=int, default=200)
     demo.add_argument("--seed", type=int, default=0)
@@ -43,21 +46,22 @@ def _demo(args: argparse.Namespace) -> int:
     from kvfsm._demo import run_sim_demo
     from kvfsm._render import demo_table, progress_bar
 
-    if args.fabric == "nixl":
-        print(
-            "kvfsm demo --fabric nixl: the real NIXL fabric is not built yet (issue 3); "
-            "use --fabric sim",
-            file=sys.stderr,
-        )
-        return 2
     if args.requests < 1:
         print("--requests must be at least 1", file=sys.stderr)
         return 2
+    if args.fabric == "nixl" and (args.p_tp, args.d_tp) != (1, 1):
+        print("--fabric nixl runs TP 1 -> 1 so far; other TP pairs: --fabric sim", file=sys.stderr)
+        return 2
     with progress_bar(args.requests, enabled=not args.json) as advance:
-        report = run_sim_demo(
-            args.mode, args.requests, seed=args.seed, p_tp=args.p_tp, d_tp=args.d_tp,
-            progress=advance,
-        )  # fmt: skip
+        if args.fabric == "nixl":
+            from kvfsm._nixl_demo import run_nixl_demo
+
+            report = run_nixl_demo(args.mode, args.requests, seed=args.seed, progress=advance)
+        else:
+            report = run_sim_demo(
+                args.mode, args.requests, seed=args.seed, p_tp=args.p_tp, d_tp=args.d_tp,
+                progress=advance,
+            )  # fmt: skip
     if args.json:
         print(json.dumps(msgspec.to_builtins(report), sort_keys=True))
     else:

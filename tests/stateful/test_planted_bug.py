@@ -17,7 +17,7 @@ from kvfsm.testing import machine_for
 # of one request do not end at the same instant.
 _SLOW = SimFaults(transfer_latency=0.25, delay_notif=0.5, max_notif_delay=0.3)
 _BUDGET = settings(
-    max_examples=300,
+    max_examples=1000,
     derandomize=True,
     deadline=None,
     stateful_step_count=30,

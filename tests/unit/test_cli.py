@@ -30,21 +30,32 @@ def test_demo_json_reports_every_request_done_and_verified(
 
 
 def test_demo_across_tp_sizes(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["demo", "--requests", "20", "--p-tp", "2", "--d-tp", "1", "--mode", "pull", "--json"]
+    args = [
+        "demo",
+        "--fabric",
+        "sim",
+        "--requests",
+        "20",
+        "--p-tp",
+        "2",
+        "--mode",
+        "pull",
+        "--json",
+    ]
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["done"] == 20 and report["verified"] and report["p_tp"] == 2
 
 
 def test_demo_prints_a_table_without_json(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--requests", "10"]) == 0
+    assert main(["demo", "--fabric", "sim", "--requests", "10"]) == 0
     out = capsys.readouterr().out
     assert "every byte verified" in out and "time in state" in out
 
 
-def test_demo_refuses_a_fabric_that_is_not_built(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--fabric", "nixl"]) == 2
-    assert "not built yet" in capsys.readouterr().err
+def test_nixl_demo_refuses_tp_pairs_it_does_not_run_yet(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--fabric", "nixl", "--p-tp", "2"]) == 2
+    assert "TP 1 -> 1" in capsys.readouterr().err
 
 
 def test_committed_diagrams_are_fresh() -> None:
@@ -61,7 +72,10 @@ def test_diagrams_check_fails_on_a_stale_copy(tmp_path: Path) -> None:
 def test_console_script_runs() -> None:
     exe = Path(sys.executable).parent / "kvfsm"
     result = subprocess.run(
-        [str(exe), "demo", "--requests", "5", "--json"], capture_output=True, text=True, check=False
+        [str(exe), "demo", "--fabric", "sim", "--requests", "5", "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["done"] == 5
