@@ -1,5 +1,46 @@
-"""KV layouts and descriptor math."""
+"""KV layouts and descriptor math.
+
+* `BlockLayout`: one region of equal blocks (the engine's simple layout).
+* `KvGeometry`, `RegionLayout`, `BlockSlice`, `slice_ids`: per-layer regions (joint or split K/V,
+  MLA), descriptor rows and row ids by broadcasting.
+* `plan_pairings` and friends: heterogeneous TP, which remote ranks and which head slices.
+* `block_size_factors`, `logical_to_kernel`, `pair_units`: different block sizes on the two sides.
+* `coalesce`: fewer, larger descriptors where both sides are contiguous.
+"""
 
 from kvfsm.layout._blocks import BlockLayout
+from kvfsm.layout._blocksize import block_size_factors, logical_to_kernel, pair_units
+from kvfsm.layout._coalesce import Coalesced, coalesce
+from kvfsm.layout._geometry import KvGeometry
+from kvfsm.layout._ids import Int64Array
+from kvfsm.layout._regions import BlockSlice, RegionLayout, slice_ids
+from kvfsm.layout._tp import (
+    RankPairing,
+    TpPlan,
+    check_compatible,
+    local_descriptors,
+    partner_ranks,
+    plan_pairings,
+    remote_descriptors,
+)
 
-__all__ = ["BlockLayout"]
+__all__ = [
+    "BlockLayout",
+    "BlockSlice",
+    "Coalesced",
+    "Int64Array",
+    "KvGeometry",
+    "RankPairing",
+    "RegionLayout",
+    "TpPlan",
+    "block_size_factors",
+    "check_compatible",
+    "coalesce",
+    "local_descriptors",
+    "logical_to_kernel",
+    "pair_units",
+    "partner_ranks",
+    "plan_pairings",
+    "remote_descriptors",
+    "slice_ids",
+]

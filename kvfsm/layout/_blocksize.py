@@ -1,0 +1,66 @@
+"""Block-size ratio: pairing blocks of two engines whose blocks hold different token counts.
+
+When one side's blocks hold k times the tokens of the other's, the bigger blocks are addressed as
+k sub-blocks ("kernel blocks") each the size of a small block, and a request's logical block ids
+on that side expand to kernel ids: logical block `b` is kernel blocks `b*k .. b*k + k-1`. After
+the expansion both lists count small blocks and pair up one for one. (The bytes of a sub-block
+are in the small block's head order; re-ordering them inside the big block after the transfer is
+the receiver's business, not the descriptors'.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from kvfsm.layout._ids import Int64Array, as_ids, positive_int
+
+__all__ = ["block_size_factors", "logical_to_kernel", "pair_units"]
+
+
+def block_size_factors(local_block_size: int, remote_block_size: int) -> tuple[int, int]:
+    """(local k, remote k): how many kernel blocks each side's blocks split into to pair up.
+
+    The side with the smaller blocks gets 1; e.g. local 16, remote 4 -> (4, 1). Raises
+    ValueError when neither block size is a multiple of the other.
+    """
+    local = positive_int(local_block_size, "local block size")
+    remote = positive_int(remote_block_size, "remote block size")
+    big, small = max(local, remote), min(local, remote)
+    if big % small:
+        raise ValueError(
+            f"block sizes {local} (local) and {remote} (remote) do not pair: the larger must be"
+            f" an integer multiple of the smaller ({big} / {small} = {big / small:.3g})"
+        )
+    return (big // small, 1) if local >= remote else (1, big // small)
+
+
+def logical_to_kernel(block_ids: npt.ArrayLike, k: int) -> Int64Array:
+    """Kernel block ids of logical blocks `block_ids` split k ways: [2, 5], k=2 -> [4, 5, 10, 11]."""
+    factor = positive_int(k, "block size ratio")
+    ids = as_ids(block_ids, None, "block ids")
+    kernel: Int64Array = (ids[:, None] * factor + np.arange(factor, dtype=np.int64)).ravel()
+    return kernel
+
+
+def pair_units(
+    local_ids: npt.ArrayLike, remote_ids: npt.ArrayLike, local_k: int = 1, remote_k: int = 1
+) -> tuple[Int64Array, Int64Array]:
+    """A request's local and remote block ids as equal-length kernel id lists, pairing by position.
+
+    Each side's ids expand by its factor (see `block_size_factors`). The last big block of a
+    request may be only partly filled, so the expanded side may be longer by fewer than k kernel
+    blocks; that tail is dropped. Any other length mismatch (a whole block without a partner,
+    e.g. a prefix-cache hit not yet trimmed by the caller) raises ValueError.
+    """
+    local = logical_to_kernel(local_ids, local_k)
+    remote = logical_to_kernel(remote_ids, remote_k)
+    n = min(local.size, remote.size)
+    for name, units, k in (("local", local, local_k), ("remote", remote, remote_k)):
+        if units.size - n >= k:
+            raise ValueError(
+                f"block lists do not pair: {local.size} local and {remote.size} remote kernel"
+                f" blocks; the {name} side has {units.size - n} kernel blocks beyond its last"
+                f" partial block (k={k})"
+            )
+    return local[:n], remote[:n]

@@ -1,0 +1,181 @@
+"""Registered KV regions of one rank, and the descriptor lists cut from them.
+
+A descriptor list is a table of rows (addr, len, dev), grouped in *planes* of equal length: one
+plane per region (or per K/V segment of a region), one row per block (or per sub-block), so that
+`plane * rows_per_plane + block` is a row's index. Both sides of a transfer cut their lists the
+same way, which makes the row ids of a request computable by broadcasting alone.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from kvfsm.layout._geometry import KvGeometry
+from kvfsm.layout._ids import Int64Array, as_ids, positive_int
+
+__all__ = ["BlockSlice", "RegionLayout", "slice_ids"]
+
+
+class BlockSlice(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Which bytes of every block a descriptor list covers (the whole block by default).
+
+    * `subdivide` k: each block is cut into k sub-blocks ("kernel blocks") of `block_size / k`
+      tokens, each laid out like a whole block of that size; rows then number `num_blocks * k`
+      per plane, sub-block `b * k + i` being the i-th piece of block `b`.
+    * `first_head`, `num_heads`: only these of the rank's heads (index within the rank; None:
+      all from `first_head`), one contiguous range per K/V segment.
+    * `split_segments`: one plane per K/V segment of a joint region, so K and V rows are separate
+      (needed for a head slice, and to pair with a peer that registers K and V apart).
+    """
+
+    subdivide: int = 1
+    first_head: int = 0
+    num_heads: int | None = None
+    split_segments: bool = False
+
+
+class _Cut(NamedTuple):
+    """A BlockSlice resolved against a geometry, in bytes."""
+
+    rows_per_plane: int
+    unit_len: int  # stride between consecutive (sub-)blocks
+    planes_per_region: int
+    segment_stride: int  # stride between the segment planes of a region
+    offset: int  # where a row starts inside its (sub-)block segment
+    length: int
+
+
+def _cut(g: KvGeometry, part: BlockSlice) -> _Cut:
+    k = positive_int(part.subdivide, "subdivide")
+    if g.block_size % k:
+        raise ValueError(f"blocks of {g.block_size} tokens cannot be cut into {k} equal parts")
+    n = g.heads_per_rank - part.first_head if part.num_heads is None else part.num_heads
+    if part.first_head < 0 or n < 1 or part.first_head + n > g.heads_per_rank:
+        raise ValueError(
+            f"heads [{part.first_head}, {part.first_head + n}) do not lie within the rank's"
+            f" {g.heads_per_rank} heads"
+        )
+    unit_len, head = g.block_len // k, g.head_bytes // k
+    rows = g.num_blocks * k
+    if part.split_segments or g.segments_per_block == 1:
+        return _Cut(
+            rows,
+            unit_len,
+            g.segments_per_block,
+            g.segment_len // k,
+            part.first_head * head,
+            n * head,
+        )
+    if n != g.heads_per_rank:
+        # In a joint block the K heads and V heads of a slice are two separate ranges.
+        raise ValueError("a head slice of joint K/V blocks needs split_segments=True")
+    return _Cut(rows, unit_len, 1, unit_len, 0, unit_len)
+
+
+class RegionLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A rank's geometry plus where its regions live: what a peer needs to address its blocks.
+
+    `base_addresses` has one entry per region, layer-major (L0 K, L0 V, L1 K, ... when K/V are
+    split; L0, L1, ... otherwise). Regions must not overlap.
+    """
+
+    geometry: KvGeometry
+    base_addresses: tuple[int, ...]
+    device: int = 0
+    """Device id put in every row (NIXL wants >= 0; DRAM uses 0)."""
+
+    def __post_init__(self) -> None:
+        g = self.geometry
+        if len(self.base_addresses) != g.num_regions:
+            split = (
+                f"{g.num_layers} layers x 2 regions (K, V)"
+                if g.split_kv
+                else f"{g.num_layers} layers"
+            )
+            raise ValueError(
+                f"the geometry needs {g.num_regions} base addresses ({split}),"
+                f" got {len(self.base_addresses)}"
+            )
+        if isinstance(self.device, bool) or not isinstance(self.device, int) or self.device < 0:
+            raise ValueError(f"device must be an integer >= 0, got {self.device!r}")
+        bases = as_ids(np.asarray(self.base_addresses), None, "base addresses")
+        ordered = np.sort(bases)
+        clash = np.flatnonzero(ordered[1:] < ordered[:-1] + g.region_bytes)
+        if clash.size:
+            lo, hi = int(ordered[clash[0]]), int(ordered[clash[0] + 1])
+            raise ValueError(
+                f"regions at {lo:#x} and {hi:#x} overlap: each region is {g.region_bytes} bytes"
+            )
+
+    def regions(self) -> Int64Array:
+        """Rows (base, region bytes, dev), one per region: what to register with NIXL."""
+        rows = np.empty((self.geometry.num_regions, 3), dtype=np.int64)
+        rows[:, 0] = self.base_addresses
+        rows[:, 1] = self.geometry.region_bytes
+        rows[:, 2] = self.device
+        return rows
+
+    def descriptors(self, part: BlockSlice | None = None) -> Int64Array:
+        """Descriptor rows (addr, len, dev) of every block of every region, plane by plane.
+
+        Without `part`, one row per whole block: shape (num_regions * num_blocks, 3), row
+        `region * num_blocks + block`. With `part`, the rows of that slice, numbered as
+        `slice_ids` says.
+        """
+        cut = _cut(self.geometry, part or BlockSlice())
+        bases = np.asarray(self.base_addresses, dtype=np.int64)
+        seg = np.arange(cut.planes_per_region, dtype=np.int64) * cut.segment_stride
+        plane_start = (bases[:, None] + seg[None, :]).ravel() + cut.offset
+        units = np.arange(cut.rows_per_plane, dtype=np.int64) * cut.unit_len
+        rows = np.empty((plane_start.size * cut.rows_per_plane, 3), dtype=np.int64)
+        rows[:, 0] = (plane_start[:, None] + units[None, :]).ravel()
+        rows[:, 1] = cut.length
+        rows[:, 2] = self.device
+        return rows
+
+    def descriptor_ids(
+        self, block_ids: npt.ArrayLike, region_subset: npt.ArrayLike | None = None
+    ) -> Int64Array:
+        """Rows of `descriptors()` holding `block_ids` in each region of `region_subset` (all).
+
+        Region-major: all the blocks (in the order given) of the first region, then of the next.
+        """
+        g = self.geometry
+        blocks = as_ids(block_ids, g.num_blocks, "block ids")
+        if region_subset is None:
+            regions = np.arange(g.num_regions, dtype=np.int64)
+        else:
+            regions = as_ids(region_subset, g.num_regions, "region ids")
+        return _grid(regions, g.num_blocks, blocks)
+
+
+def slice_ids(
+    geometry: KvGeometry,
+    part: BlockSlice,
+    unit_ids: npt.ArrayLike,
+    layers: npt.ArrayLike | None = None,
+) -> Int64Array:
+    """Rows of `RegionLayout.descriptors(part)` holding `unit_ids` in each layer of `layers`.
+
+    `unit_ids` are (sub-)block ids, i.e. kernel block ids when `part.subdivide` > 1. Order:
+    plane-major (layer, then region K/V or segment K/V), units in the order given.
+    """
+    cut = _cut(geometry, part)
+    units = as_ids(unit_ids, cut.rows_per_plane, "block ids")
+    if layers is None:
+        chosen = np.arange(geometry.num_layers, dtype=np.int64)
+    else:
+        chosen = as_ids(layers, geometry.num_layers, "layer ids")
+    per_layer = geometry.regions_per_layer * cut.planes_per_region
+    planes = (chosen[:, None] * per_layer + np.arange(per_layer, dtype=np.int64)).ravel()
+    return _grid(planes, cut.rows_per_plane, units)
+
+
+def _grid(planes: Int64Array, rows_per_plane: int, units: Int64Array) -> Int64Array:
+    # Outer sum instead of a loop: every (plane, unit) pair at once, plane-major.
+    ids: Int64Array = (planes[:, None] * rows_per_plane + units[None, :]).ravel()
+    return ids
