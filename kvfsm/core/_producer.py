@@ -105,7 +105,11 @@ class Producer(Side):
             self._count_error("late", f"registration for ended request {msg.request_id!r}")
             self._reply(sender, Failure(msg.sender_request_id, msg.request_id, *self._me, "ended"))
             return
-        if key in self._pending or _consumer_key(*key) in self._consumed:
+        prior = self._consumed.get(_consumer_key(*key))
+        if prior == _CANCELLED:  # overtaken by its own cancel: D gave up, P acknowledged
+            self._count_error("late", f"registration {key} after its cancel")
+            return
+        if key in self._pending or prior is not None:
             self._count_error("duplicate", f"registration {key}")
             return
         req = self._match(msg)
@@ -119,6 +123,9 @@ class Producer(Side):
 
     def _on_cancel(self, msg: Cancel, sender: str) -> None:
         key = (sender, msg.sender_request_id)
+        # Whatever happens below, P acknowledges; a registration this cancel overtook (the
+        # network reorders) must then never be matched.
+        self._consumed.add(_consumer_key(*key), _CANCELLED)
         req = self._by_consumer.get(key)
         if req is None and key in self._pending:
             self._pending.drop(key)  # withdrawn before anything was posted for it
@@ -280,6 +287,9 @@ class Producer(Side):
     def _req_cmd_record_cancel(self, req: Request) -> None:
         if self._sender in req.links:
             self._tally_result(req, self._sender, False)
+
+
+_CANCELLED = "cancelled"
 
 
 def _consumer_key(agent: str, request_id: str) -> str:

@@ -238,6 +238,7 @@ class SimCluster:
             if agent not in self.dead:
                 for output in engine.take_outputs():
                     self._on_output(agent, output)
+        self.ledger.check_posts()
 
     def _on_output(self, agent: str, out: CallerOutput) -> None:
         pr = self.ledger.request_of(agent, out.request_id)

@@ -83,6 +83,7 @@ class Ledger:
         self._failed: set[tuple[str, str]] = set()
         self._received: set[tuple[str, str]] = set()
         self._freed: set[tuple[str, str]] = set()
+        self._late_posts: set[tuple[str, str, str]] = set()
         self.finals: Counter[str] = Counter()
         self.verified_bytes = 0
 
@@ -173,6 +174,21 @@ class Ledger:
                     moving = False
                 if moving:
                     yield engine, flight
+
+    def check_posts(self) -> None:
+        """A transfer posted after the other side released the request's blocks: a WRITE into
+        D's released blocks (no late write) or a READ from P's (no early free)."""
+        for engine in self.cluster.live_engines():
+            for flight in engine.inflight.values():
+                pr = self.request_of(engine.agent, flight.request_id)
+                if pr is None or self._released[(flight.peer, pr.key)] == 0:
+                    continue
+                seen = (engine.agent, flight.request_id, flight.peer)
+                if seen not in self._late_posts:
+                    self._late_posts.add(seen)
+                    rule = "no late write" if flight.op == "WRITE" else "no early free"
+                    self._violate(f"{rule}: {engine.agent} posted a {flight.op} for {pr.key} "
+                                  f"after {flight.peer} released its blocks")  # fmt: skip
 
     def _check_no_early_free(self, agent: str, pr: PairedRequest) -> None:
         for engine, flight in self._moving():

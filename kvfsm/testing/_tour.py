@@ -319,6 +319,22 @@ def d_gives_up_while_p_connects(mode: Mode) -> SimCluster:
     return c
 
 
+def cancel_overtakes_registration(mode: Mode) -> SimCluster:
+    """D registers with two P ranks and gives up at once; its registration to one rank is
+    delayed past its cancel (found by the soak: that rank acknowledged, then matched the late
+    registration and wrote into blocks D had released)."""
+    c = _cluster(mode, p_tp=2)
+    c.network.delay_next_notif("P#0", 0.001)
+    c.admit("r", 1)
+    c.step(3.5)  # handshakes and the watchdog land in the same poll: register, then give up
+    for dt in (1e-4, 1e-3):
+        c.step(dt)
+    c.finish_prefill("r")
+    for _ in range(5):  # the acknowledgements reach D while any WRITE would still be in flight
+        c.step(1e-3)
+    return c
+
+
 SCENARIOS: tuple[Scenario, ...] = (
     d_aborts_mid_transfer,
     d_aborts_stuck_transfer,
@@ -344,6 +360,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     consumer_lost_before_prefill_ends,
     one_of_two_producers_lost,
     d_gives_up_while_p_connects,
+    cancel_overtakes_registration,
 )
 
 
