@@ -36,7 +36,7 @@ def block_size_factors(local_block_size: int, remote_block_size: int) -> tuple[i
 
 
 def logical_to_kernel(block_ids: npt.ArrayLike, k: int) -> Int64Array:
-    """Kernel block ids of logical blocks `block_ids` split k ways: [2, 5], k=2 -> [4, 5, 10, 11]."""
+    """Kernel ids of logical blocks `block_ids` split k ways: [2, 5], k=2 -> [4, 5, 10, 11]."""
     factor = positive_int(k, "block size ratio")
     ids = as_ids(block_ids, None, "block ids")
     kernel: Int64Array = (ids[:, None] * factor + np.arange(factor, dtype=np.int64)).ravel()

@@ -7,9 +7,11 @@ local side has more ranks, it takes a head slice of one remote rank's blocks; wh
 takes whole blocks of several remote ranks, each into its slice of the local blocks. The same
 rule covers equal TP (one partner, whole blocks) and sizes that do not divide each other.
 
-With MLA every rank holds the whole latent KV, so one partner suffices: the partners are the
-ranks the split rule would pair (as if the KV were split), one of them (picked by local rank
-modulo their count) is read, and the others are only notified so their consumer count holds.
+With MLA every rank holds the whole latent KV, so a receiving rank needs one source: its
+partners are the ranks the split rule would pair (as if the KV were split), it takes the data
+from one of them (its own rank modulo their count), and the others are only notified so that
+their consumer counts hold. A sending rank therefore sends to the partners that chose it (in
+push mode every receiver still needs its own copy) and only notifies the rest.
 
 The plan needs only the two geometries (it is known before any handshake); the peer's base
 addresses, from its handshake payload, turn a pairing into descriptor rows.
@@ -63,12 +65,12 @@ class RankPairing(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def local_span(self) -> tuple[int, int]:
-        """(offset, length) in bytes of the exchanged heads inside one local (sub-)block segment."""
+        """(offset, length) in bytes of the exchanged heads in one local (sub-)block segment."""
         return _span(self.local_geometry, self.local)
 
     @property
     def remote_span(self) -> tuple[int, int]:
-        """(offset, length) in bytes of the exchanged heads inside one remote (sub-)block segment."""
+        """(offset, length) in bytes of the exchanged heads in one remote (sub-)block segment."""
         return _span(self.remote_geometry, self.remote)
 
     def local_descriptors(self, layout: RegionLayout) -> Int64Array:
@@ -152,33 +154,53 @@ def partner_ranks(local_tp_rank: int, local_tp_size: int, remote_tp_size: int) -
     return tuple(int(x) for x in np.flatnonzero(overlap))
 
 
-def plan_pairings(local: KvGeometry, remote: KvGeometry) -> TpPlan:
-    """How local rank `local.tp_rank` exchanges KV with the remote engine (its tp_rank ignored)."""
+def plan_pairings(local: KvGeometry, remote: KvGeometry, *, local_receives: bool = True) -> TpPlan:
+    """How local rank `local.tp_rank` exchanges KV with the remote engine (its tp_rank ignored).
+
+    `local_receives`: the local side is the one the KV lands on (READ in pull mode); False when
+    it sends (WRITE in push mode). Only MLA plans depend on it (see the module docstring).
+    """
     check_compatible(local, remote)
     local_k, remote_k = block_size_factors(local.block_size, remote.block_size)
     partners = partner_ranks(local.tp_rank, local.tp_size, remote.tp_size)
-    if local.mla:
-        chosen = partners[local.tp_rank % len(partners)]
-        pairing = _pairing(local, remote.for_rank(chosen), local_k, remote_k)
-        return TpPlan((pairing,), tuple(r for r in partners if r != chosen))
-    return TpPlan(tuple(_pairing(local, remote.for_rank(r), local_k, remote_k) for r in partners))
+    chosen = partners
+    if local.mla and local_receives:
+        chosen = (_mla_source(local.tp_rank, local.tp_size, remote.tp_size),)
+    elif local.mla:
+        chosen = tuple(
+            r for r in partners if _mla_source(r, remote.tp_size, local.tp_size) == local.tp_rank
+        )
+    return TpPlan(
+        tuple(_pairing(local, remote.for_rank(r), local_k, remote_k) for r in chosen),
+        tuple(r for r in partners if r not in chosen),
+    )
 
 
-def remote_descriptors(local: KvGeometry, peer: RegionLayout) -> Int64Array:
+def remote_descriptors(
+    local: KvGeometry, peer: RegionLayout, *, local_receives: bool = True
+) -> Int64Array:
     """Descriptor rows for reading/writing the peer rank advertised in `peer` (its handshake).
 
     Raises ValueError when the local rank moves no data with that peer rank.
     """
-    return _pairing_with(local, peer.geometry).remote_descriptors(peer)
+    return _pairing_with(local, peer.geometry, local_receives).remote_descriptors(peer)
 
 
-def local_descriptors(local: RegionLayout, peer: KvGeometry) -> Int64Array:
+def local_descriptors(
+    local: RegionLayout, peer: KvGeometry, *, local_receives: bool = True
+) -> Int64Array:
     """The local descriptor rows that pair with `remote_descriptors` of the peer rank `peer`."""
-    return _pairing_with(local.geometry, peer).local_descriptors(local)
+    return _pairing_with(local.geometry, peer, local_receives).local_descriptors(local)
 
 
-def _pairing_with(local: KvGeometry, peer: KvGeometry) -> RankPairing:
-    plan = plan_pairings(local, peer)
+def _mla_source(receiver_rank: int, receiver_tp: int, sender_tp: int) -> int:
+    # Spread receivers over their partners; deterministic, so both sides agree without talking.
+    partners = partner_ranks(receiver_rank, receiver_tp, sender_tp)
+    return partners[receiver_rank % len(partners)]
+
+
+def _pairing_with(local: KvGeometry, peer: KvGeometry, local_receives: bool) -> RankPairing:
+    plan = plan_pairings(local, peer, local_receives=local_receives)
     for pairing in plan.pairings:
         if pairing.remote_rank == peer.tp_rank:
             return pairing
