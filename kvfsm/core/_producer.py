@@ -59,6 +59,7 @@ class Producer(Side):
             self.config.max_pending_registrations, self.config.pending_registration_ttl_s
         )
         self._consumed = Tombstones(self.config.tombstones)  # registrations already matched
+        self._ended_bases = Tombstones(self.config.tombstones)  # base ids of ended requests
         self._by_consumer: dict[tuple[str, str], Request] = {}  # (D agent, D id) -> request
         self._sender = ""  # the agent whose cancel is being handled
         self._cancel: Cancel | None = None
@@ -115,6 +116,11 @@ class Producer(Side):
         req = self._match(msg)
         if req is not None:
             self._attach(req, msg, sender)
+        elif not msg.request_id and base_request_id(msg.sender_request_id) in self._ended_bases:
+            # D named no P id and the request its base id names has ended here: do not keep D
+            # waiting for its watchdog.
+            self._count_error("late", f"registration {key} for an ended request")
+            self._reply(sender, Failure(msg.sender_request_id, "", *self._me, "ended"))
         elif self._pending.full:
             self._count_error("rejected", f"registration {key}: too many unmatched")
             self._reply(sender, Failure(msg.sender_request_id, msg.request_id, *self._me, "full"))
@@ -208,6 +214,7 @@ class Producer(Side):
     def _forget(self, req: Request) -> None:
         super()._forget(req)
         self._unwait(req)
+        self._ended_bases.add(base_request_id(req.id), req.state)
         for link in req.links.values():
             self._by_consumer.pop((link.agent, link.request_id), None)
 
