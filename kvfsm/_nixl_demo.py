@@ -161,7 +161,7 @@ def _drive(mode: Mode, requests: int, seed: int, layout: BlockLayout, max_blocks
     started: dict[str, float] = {}
     handoff_ms: list[float] = []
     deadline = time.monotonic() + max(120.0, requests * 0.5)
-    while done_pairs < requests:
+    while done_pairs < requests or held:  # P may end after D (pull: on D's notification)
         if time.monotonic() > deadline:
             raise RuntimeError(f"only {done_pairs} of {requests} requests ended in time")
         while admitted < requests:
