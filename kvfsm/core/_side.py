@@ -145,11 +145,6 @@ class Side:
         """When the next deadline falls, for an event loop's timeout."""
         return self.deadlines.next_at()
 
-    @property
-    def lifecycle_names(self) -> tuple[str, str, str]:
-        """The lifecycles this side runs: request, peer, transfer tally."""
-        return (self._req.lifecycle.name, "peer", "transfer")
-
     # --- common event handlers ------------------------------------------------------------------
 
     def _on_abort(self, event: Abort) -> None:

@@ -8,7 +8,8 @@ commands that concern it (blocks released, requests received or failed, requests
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import msgspec
@@ -286,23 +287,11 @@ class Engine:
             self.counters["notif_drain_failed"] += 1
             return {}
 
-    def blocks_in_flight(self, peer: str | None = None) -> Iterable[InFlight]:
-        """The in-flight transfers (towards `peer`, if given): for invariant checks."""
-        return [f for f in self.inflight.values() if peer is None or f.peer == peer]
 
-
-class _tolerant:
+@contextmanager
+def _tolerant(counters: Counter[str], what: str) -> Iterator[None]:
     """Count a fabric error during cleanup instead of letting it stop the cleanup."""
-
-    def __init__(self, counters: Counter[str], what: str) -> None:
-        self._counters = counters
-        self._what = what
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> bool:
-        if exc_type is not None and issubclass(exc_type, FabricError):
-            self._counters[f"{self._what}_error"] += 1
-            return True
-        return False
+    try:
+        yield
+    except FabricError:
+        counters[f"{what}_error"] += 1

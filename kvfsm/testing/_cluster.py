@@ -8,6 +8,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from kvfsm.core import (
@@ -112,7 +113,7 @@ class SimCluster:
     def _start(self, side: str, rank: int) -> Engine:
         agent = agent_name(side, rank)
         tp = self.p_tp if side == "P" else self.d_tp
-        config = msgspec_replace(self.config, trace=self.trace)
+        config = msgspec.structs.replace(self.config, trace=self.trace)
         core: Side = (Producer if side == "P" else Consumer)(
             Identity(side, rank, tp), self.mode, config
         )
@@ -282,10 +283,3 @@ class SimCluster:
     def free(self, side: str, blocks: np.ndarray) -> None:
         """Blocks go back to a side's allocator (called by the ledger once every rank released)."""
         self._free[side].extend(int(b) for b in blocks)
-
-
-def msgspec_replace(config: CoreConfig, **changes: object) -> CoreConfig:
-    """A copy of `config` with `changes`."""
-    import msgspec
-
-    return msgspec.structs.replace(config, **changes)
