@@ -55,11 +55,27 @@ def _bindings(api: Any) -> Any:
 class NixlFabric:
     """One NIXL agent behind the `Fabric` protocol; handles are small integers."""
 
-    def __init__(self, name: str, *, progress_thread: bool = False) -> None:
-        api = nixl_api()
-        self._errors = _error_map(_bindings(api))
-        config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
-        self._agent = api.nixl_agent(name, config)
+    def __init__(
+        self,
+        name: str,
+        *,
+        mem_type: str = "DRAM",
+        progress_thread: bool = False,
+        agent: Any = None,
+    ) -> None:
+        """`mem_type` is "DRAM" (host memory) or "VRAM" (CUDA tensors); `agent` replaces the
+        NIXL agent (tests of what kvfsm passes to NIXL where no GPU is present)."""
+        if mem_type not in ("DRAM", "VRAM"):
+            raise ValueError(f"mem_type must be DRAM or VRAM, not {mem_type!r}")
+        if agent is None:
+            api = nixl_api()
+            self._errors = _error_map(_bindings(api))
+            config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+            agent = api.nixl_agent(name, config)
+        else:
+            self._errors = {}
+        self._agent = agent
+        self._mem_type = mem_type
         self._name = name
         self._ids = itertools.count(1)
         self._memory: dict[int, Any] = {}
@@ -73,10 +89,12 @@ class NixlFabric:
         return self._name
 
     def register_memory(self, buffer: npt.NDArray[np.uint8]) -> MemoryHandle:
-        """Register a contiguous 1-D uint8 numpy buffer (DRAM)."""
-        if not isinstance(buffer, np.ndarray) or buffer.ndim != 1 or buffer.dtype != np.uint8:
-            raise TypeError("register_memory needs a contiguous 1-D numpy uint8 array")
-        descs = self._agent.get_reg_descs([(int(buffer.ctypes.data), buffer.nbytes, 0, "")], "DRAM")
+        """Register a contiguous 1-D uint8 numpy buffer (DRAM), or a contiguous torch tensor:
+        a CPU tensor as DRAM, a CUDA tensor as VRAM on its device."""
+        addr, nbytes, device, mem_type = _region(buffer)
+        if mem_type != self._mem_type:
+            raise TypeError(f"{self._name} transfers {self._mem_type}; this buffer is {mem_type}")
+        descs = self._agent.get_reg_descs([(addr, nbytes, device, "")], mem_type)
         with self._translated():
             registered = self._agent.register_memory(descs)
         return self._keep(self._memory, registered)
@@ -109,8 +127,8 @@ class NixlFabric:
         """Prepare a descriptor list of local memory (`agent=None`) or of a loaded peer's."""
         rows = np.ascontiguousarray(descs, dtype=np.int64)
         with self._translated():
-            xfer_descs = self._agent.get_xfer_descs(rows, "DRAM")
-            dlist = self._agent.prep_xfer_dlist(agent or _LOCAL, xfer_descs, "DRAM")
+            xfer_descs = self._agent.get_xfer_descs(rows, self._mem_type)
+            dlist = self._agent.prep_xfer_dlist(agent or _LOCAL, xfer_descs, self._mem_type)
         return self._keep(self._dlists, dlist)
 
     def release_dlist_handle(self, handle: DlistHandle) -> None:
@@ -217,6 +235,22 @@ class NixlFabric:
         except Exception as exc:  # NIXL raises its own types (and sometimes plain ones)
             kind = self._errors.get(type(exc).__name__, FabricError)
             raise kind(f"{self._name}: {type(exc).__name__}: {exc}") from exc
+
+
+def _region(buffer: Any) -> tuple[int, int, int, str]:
+    """(address, bytes, device id, NIXL memory type) of a numpy byte buffer or a torch tensor."""
+    if isinstance(buffer, np.ndarray):
+        if buffer.ndim != 1 or buffer.dtype != np.uint8 or not buffer.flags.c_contiguous:
+            raise TypeError("register_memory needs a contiguous 1-D numpy uint8 array")
+        return int(buffer.ctypes.data), buffer.nbytes, 0, "DRAM"
+    if all(hasattr(buffer, a) for a in ("data_ptr", "element_size", "numel", "is_contiguous")):
+        if not buffer.is_contiguous():
+            raise TypeError("register_memory needs a contiguous tensor")
+        nbytes = int(buffer.numel()) * int(buffer.element_size())
+        if buffer.is_cuda:
+            return int(buffer.data_ptr()), nbytes, int(buffer.device.index or 0), "VRAM"
+        return int(buffer.data_ptr()), nbytes, 0, "DRAM"
+    raise TypeError(f"cannot register {type(buffer).__name__}: a numpy uint8 array or a tensor")
 
 
 def _error_map(bindings: Any) -> dict[str, type[FabricError]]:
