@@ -4,12 +4,18 @@
 * `KvGeometry`, `RegionLayout`, `BlockSlice`, `slice_ids`: per-layer regions (joint or split K/V,
   MLA), descriptor rows and row ids by broadcasting.
 * `plan_pairings` and friends: heterogeneous TP, which remote ranks and which head slices.
-* `block_size_factors`, `logical_to_kernel`, `pair_units`: different block sizes on the two sides.
+* `block_size_factors`, `logical_to_kernel`, `pair_units`, `align_tail`: different block sizes on
+  the two sides, and a D prefix-cache hit.
 * `coalesce`: fewer, larger descriptors where both sides are contiguous.
 """
 
 from kvfsm.layout._blocks import BlockLayout
-from kvfsm.layout._blocksize import block_size_factors, logical_to_kernel, pair_units
+from kvfsm.layout._blocksize import (
+    align_tail,
+    block_size_factors,
+    logical_to_kernel,
+    pair_units,
+)
 from kvfsm.layout._coalesce import Coalesced, coalesce
 from kvfsm.layout._geometry import KvGeometry
 from kvfsm.layout._ids import Int64Array
@@ -33,6 +39,7 @@ __all__ = [
     "RankPairing",
     "RegionLayout",
     "TpPlan",
+    "align_tail",
     "block_size_factors",
     "check_compatible",
     "coalesce",

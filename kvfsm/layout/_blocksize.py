@@ -15,7 +15,7 @@ import numpy.typing as npt
 
 from kvfsm.layout._ids import Int64Array, as_ids, positive_int
 
-__all__ = ["block_size_factors", "logical_to_kernel", "pair_units"]
+__all__ = ["align_tail", "block_size_factors", "logical_to_kernel", "pair_units"]
 
 
 def block_size_factors(local_block_size: int, remote_block_size: int) -> tuple[int, int]:
@@ -64,3 +64,32 @@ def pair_units(
                 f" partial block (k={k})"
             )
     return local[:n], remote[:n]
+
+
+def align_tail(
+    sender_ids: npt.ArrayLike, receiver_ids: npt.ArrayLike, ratio: int = 1
+) -> tuple[Int64Array, Int64Array]:
+    """Pair one request's blocks on P (`sender_ids`: all of them) with D's (`receiver_ids`: those
+    left after a prefix-cache hit of whole D blocks), unit for unit; D's blocks hold `ratio` times
+    the tokens of P's. Returns (P block ids, D kernel ids) of equal length, P's block size each.
+
+    D's hit is `ceil(len(P) / ratio) - len(D)` D blocks, i.e. that many times `ratio` P blocks, so
+    P's blocks after those pair in order with D's kernel blocks; D's kernel blocks beyond P's last
+    (possibly partial) block hold no tokens and are dropped. Example: 20 tokens, P blocks of 4
+    tokens [p0..p4], D blocks of 16 with the first cached and [d] left: ratio 4, hit 1, so p4 pairs
+    with kernel block 4*d (tokens 16-19) and kernel blocks 4*d+1.. are dropped. With ratio 1 this is
+    P's last len(D) blocks. Raises ValueError when D holds more blocks than P's request fills (no
+    partial success) or the ratio is not a positive integer.
+    """
+    k = positive_int(ratio, "block size ratio")
+    sender = as_ids(sender_ids, None, "P block ids")
+    receiver = as_ids(receiver_ids, None, "D block ids")
+    d_total = -(-sender.size // k)  # D blocks the whole request takes: ceil(P blocks / k)
+    hit = d_total - receiver.size
+    if hit < 0:
+        raise ValueError(
+            f"D expects {receiver.size} blocks of {k}x P's block size, but P's {sender.size}"
+            f" blocks fill only {d_total}"
+        )
+    units = sender[hit * k :]
+    return units, logical_to_kernel(receiver, k)[: units.size]

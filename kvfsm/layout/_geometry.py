@@ -1,9 +1,10 @@
 """The shape of one engine rank's paged KV cache, and the byte sizes that follow from it.
 
-Memory model (the "HND" page layout, which head slicing needs): in every region, block `b` starts
-at `b * block_len`, and inside a block each K or V *segment* holds the rank's heads one after the
-other, each head `block_size * head_dim * dtype_bytes` bytes. So the bytes of any run of
-consecutive heads are one contiguous range per segment.
+Memory model: in every region, block `b` starts at `b * block_len`. With the "HND" page layout
+(which head slicing needs) each K or V *segment* of a block holds the rank's heads one after the
+other, each head `block_size * head_dim * dtype_bytes` bytes, so the bytes of any run of
+consecutive heads are one contiguous range per segment. "NHD" (tokens first, as vLLM's CPU
+backend keeps it) moves whole blocks only.
 
 * `split_kv=True`: two regions per layer (K, then V), each block one segment.
 * `split_kv=False`: one region per layer, each block a K segment followed by a V segment.
@@ -45,6 +46,9 @@ class KvGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """K and V in separate regions per layer (True) or one joint region per layer (False)."""
     mla: bool = False
     """Latent KV replicated on every TP rank: no head split."""
+    kv_layout: str = "HND"
+    """Order inside a K/V segment: "HND" (heads, then tokens: a run of heads is contiguous, as a
+    head split between different TP sizes needs) or "NHD" (tokens, then heads: whole blocks only)."""
 
     def __post_init__(self) -> None:
         problems = _problems(self)
@@ -133,6 +137,8 @@ def _problems(g: KvGeometry) -> list[str]:
             f"num_kv_heads={g.num_kv_heads} is not divisible by tp_size={g.tp_size}: every rank"
             " must hold an equal number of whole heads (replicated KV heads are not supported)"
         )
+    if g.kv_layout not in ("HND", "NHD"):
+        problems.append(f"kv_layout must be 'HND' or 'NHD', got {g.kv_layout!r}")
     if g.mla and g.split_kv:
         problems.append("MLA keeps one latent KV region per layer: split_kv must be False")
     return problems

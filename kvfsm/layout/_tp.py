@@ -38,7 +38,7 @@ __all__ = [
     "remote_descriptors",
 ]
 
-_MUST_MATCH = ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes", "mla")
+_MUST_MATCH = ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes", "mla", "kv_layout")
 
 
 class RankPairing(msgspec.Struct, frozen=True, kw_only=True):
@@ -103,6 +103,16 @@ class RankPairing(msgspec.Struct, frozen=True, kw_only=True):
         local_units, remote_units = pair_units(
             local_blocks, remote_blocks, self.local.subdivide, self.remote.subdivide
         )
+        return self.unit_ids(local_units, remote_units, layers)
+
+    def unit_ids(
+        self,
+        local_units: npt.ArrayLike,
+        remote_units: npt.ArrayLike,
+        layers: npt.ArrayLike | None = None,
+    ) -> tuple[Int64Array, Int64Array]:
+        """Row ids into the local and remote descriptor lists for already paired kernel block
+        ids (e.g. from `align_tail`), row for row."""
         return (
             slice_ids(self.local_geometry, self.local, local_units, layers),
             slice_ids(self.remote_geometry, self.remote, remote_units, layers),
@@ -220,6 +230,11 @@ def _pairing(local: KvGeometry, remote: KvGeometry, local_k: int, remote_k: int)
             - first
         )
     whole = count == local.heads_per_rank == remote.heads_per_rank
+    if not whole and local.kv_layout != "HND":
+        raise ValueError(
+            f"TP {local.tp_size} and {remote.tp_size} exchange slices of heads, which needs the"
+            f" HND page layout on both sides; these use {local.kv_layout}"
+        )
     # Whole-block rows only when both sides cut their blocks alike; otherwise every K and V
     # segment gets its own plane, which lines up a joint region with a split one too.
     split = not (whole and local.split_kv == remote.split_kv)

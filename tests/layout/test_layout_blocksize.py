@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 
 from kvfsm.layout import (
     KvGeometry,
+    align_tail,
     block_size_factors,
     logical_to_kernel,
     pair_units,
@@ -79,3 +81,78 @@ def test_pair_units_rejects_blocks_without_partner(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         pair_units(local, remote, local_k=local_k)
+
+
+# --- align_tail: a D prefix-cache hit with different block sizes --------------------------------
+
+
+def test_align_tail_equal_blocks_takes_p_s_last_blocks() -> None:
+    # Same block size: D cached the first 2 of 5 blocks and fills 3; they pair with P's last 3.
+    p_units, d_units = align_tail([10, 11, 12, 13, 14], [7, 8, 9])
+    np.testing.assert_array_equal(p_units, [12, 13, 14])
+    np.testing.assert_array_equal(d_units, [7, 8, 9])
+
+
+def test_align_tail_worked_example_from_the_docstring() -> None:
+    # 20 tokens; P blocks of 4 tokens [p0..p4] = ids 10..14; D blocks of 16 tokens, the first
+    # cached, [d] = 7 left. D's block holds tokens 16-31: only tokens 16-19 exist, in p4 (id 14).
+    p_units, d_units = align_tail([10, 11, 12, 13, 14], [7], ratio=4)
+    np.testing.assert_array_equal(p_units, [14])
+    np.testing.assert_array_equal(d_units, [28])  # kernel block 4*7: D block 7's first quarter
+    # Pairing from the end instead (P's last 4 blocks, p1..p4 = tokens 4-19) would put tokens 4-7
+    # where 16-19 belong.
+
+
+@pytest.mark.parametrize(
+    ("p", "d", "ratio", "want_p", "want_d"),
+    [
+        ([1, 2, 3, 4], [8, 9], 2, [1, 2, 3, 4], [16, 17, 18, 19]),  # no hit, whole blocks
+        ([1, 2, 3], [8, 9], 2, [1, 2, 3], [16, 17, 18]),  # no hit, D's last block half full
+        ([1, 2, 3], [9], 2, [3], [18]),  # D cached its first block (= P's 1 and 2)
+        ([1, 2, 3, 4, 5, 6], [9], 4, [5, 6], [36, 37]),  # D cached 1 block of 4 P blocks
+        ([1, 2, 3], [], 2, [], []),  # a full hit: nothing to move
+        ([], [], 3, [], []),
+    ],
+)
+def test_align_tail_hand_computed(
+    p: list[int], d: list[int], ratio: int, want_p: list[int], want_d: list[int]
+) -> None:
+    p_units, d_units = align_tail(p, d, ratio)
+    np.testing.assert_array_equal(p_units, want_p)
+    np.testing.assert_array_equal(d_units, want_d)
+    assert p_units.dtype == d_units.dtype == np.int64
+
+
+@pytest.mark.parametrize(
+    ("p", "d", "ratio", "message"),
+    [
+        ([1], [8, 9], 1, "D expects 2 blocks of 1x P's block size, but P's 1 blocks fill only 1"),
+        ([1, 2, 3], [7, 8, 9], 2, "P's 3 blocks fill only 2"),
+        ([], [4], 2, "P's 0 blocks fill only 0"),  # P has no KV for a request D wants
+        ([1], [1], 0, "block size ratio must be a positive integer"),
+        ([1.5], [1], 1, "P block ids must be integers"),
+    ],
+)
+def test_align_tail_refuses_what_cannot_pair(
+    p: list[object], d: list[int], ratio: int, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        align_tail(p, d, ratio)  # type: ignore[arg-type]
+
+
+def test_unit_ids_equal_transfer_ids_without_a_hit() -> None:
+    d = KvGeometry(
+        num_layers=2, num_kv_heads=2, head_dim=2, dtype_bytes=2, block_size=8, num_blocks=4
+    )
+    p = msgspec.structs.replace(d, block_size=4, num_blocks=8)
+    (pairing,) = plan_pairings(d, p).pairings
+    d_blocks, p_blocks = [3, 1], [5, 0, 7, 2]
+    p_units, d_units = align_tail(p_blocks, d_blocks, ratio=2)
+    assert all(
+        np.array_equal(a, b)
+        for a, b in zip(
+            pairing.unit_ids(d_units, p_units),
+            pairing.transfer_ids(d_blocks, p_blocks),
+            strict=True,
+        )
+    )

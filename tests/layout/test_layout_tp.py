@@ -188,3 +188,16 @@ def test_transfer_ids_with_block_ratio_and_a_layer_subset() -> None:
     np.testing.assert_array_equal(
         remote[rids, :2], [[1000, 16], [1064, 16], [1032, 16], [1096, 16]]
     )
+
+
+def test_nhd_pages_move_whole_blocks_only() -> None:
+    # Tokens-first pages (vLLM's CPU layout) keep a head's bytes apart: equal TP works, a head
+    # slice does not, and the two sides must agree on the page layout.
+    (pairing,) = plan_pairings(_geo(2, 1, kv_layout="NHD"), _geo(2, kv_layout="NHD")).pairings
+    assert pairing.local_span == (0, 16) and pairing.remote_rank == 1
+    with pytest.raises(ValueError, match="needs the HND page layout on both sides"):
+        plan_pairings(_geo(2, kv_layout="NHD"), _geo(1, kv_layout="NHD"))
+    with pytest.raises(ValueError, match="kv_layout differs: 'NHD' .local. vs 'HND'"):
+        check_compatible(_geo(1, kv_layout="NHD"), _geo(1))
+    with pytest.raises(ValueError, match="kv_layout must be 'HND' or 'NHD', got 'XYZ'"):
+        _geo(1, kv_layout="XYZ")
