@@ -40,8 +40,8 @@ from kvfsm.core import (
     TransferResult,
 )
 from kvfsm.fabric import SimNetwork
-from kvfsm.layout import BlockLayout
-from kvfsm.runtime import Engine, LocalDirectory
+from kvfsm.layout import KvGeometry
+from kvfsm.runtime import Engine, KvCache, LocalDirectory
 
 _CONFIG = CoreConfig(trace=True)  # history always on, as in production
 
@@ -110,13 +110,14 @@ def bench(mode: Mode, n: int, total: int, repeat: int) -> dict[str, float]:
     core_us = measure(lambda w: core_wave(mode, n, p, d, w), n, total, repeat)
     net = SimNetwork(0)
     directory = LocalDirectory(lambda: net.now)
-    layout = BlockLayout(max(n, 1), 64)
+    # One region of 64-byte blocks (1 layer, 1 head of 32 bytes for K and V, 1 token).
+    geometry = KvGeometry(
+        num_layers=1, num_kv_heads=1, head_dim=32, dtype_bytes=1, block_size=1, num_blocks=max(n, 1)
+    )
     engines = []
     for side in (Producer(Identity("P"), mode, _CONFIG), Consumer(Identity("D"), mode, _CONFIG)):
-        kv = np.zeros(layout.nbytes, dtype=np.uint8)
-        engine = Engine(
-            side, net.agent(side.identity.agent), kv, layout, directory.view(), lambda: net.now
-        )
+        kv = KvCache.allocate(geometry)
+        engine = Engine(side, net.agent(side.identity.agent), kv, directory.view(), lambda: net.now)
         directory.publish(engine.agent, engine.info)
         engines.append(engine)
     engine_us = measure(

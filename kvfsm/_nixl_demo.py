@@ -1,213 +1,278 @@
-"""`kvfsm demo --fabric nixl`: a P and a D engine in separate processes over real NIXL (UCX, DRAM),
-the handshake over ZMQ on loopback, every byte D receives checked against what P's prefill wrote.
+"""`kvfsm demo --fabric nixl`: P and D engines over real NIXL (UCX over DRAM), one process per TP
+rank, handshakes over ZMQ on loopback, every byte D receives checked against what P's prefill
+wrote.
 
-Each engine process owns its NIXL agent, its KV region and a handshake listener, and runs its
-engine from one thread; the parent admits requests (blocks from its own allocators, as a serving
-engine's scheduler would) and collects outcomes through a pipe.
+The driver (this process) plays both serving engines' schedulers: it allocates each request's
+blocks (the same ids on every rank of a side, as a TP group shares its block table), admits the
+request on every rank, and frees the blocks once every rank of that side finished with them.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import numpy as np
 
-from kvfsm._demo import DemoReport, time_in_state
-from kvfsm.core import (
-    Admit,
-    Consumer,
-    CoreConfig,
-    Finished,
-    Identity,
-    Mode,
-    PrefillFinished,
-    Producer,
-    ReportReceived,
-)
-from kvfsm.layout import BlockLayout
+from kvfsm._demo import DemoReport, time_in_state, worst_state
+from kvfsm._demo_rank import WIRE_VERSION, RankSpec, rank_main
+from kvfsm._presets import model_geometry
+from kvfsm.core import Mode, agent_name
+from kvfsm.sidechannel import compat_hash
 
-__all__ = ["LLAMA3_8B_BLOCK_BYTES", "run_nixl_demo"]
+__all__ = ["run_nixl_demo"]
 
-# Llama-3-8B: 32 layers x (K, V) x 8 KV heads x head dim 128 x fp16 x 16 tokens per block.
-LLAMA3_8B_BLOCK_BYTES = 32 * 2 * 8 * 128 * 2 * 16
-_WIRE = 1
-_HASH = "kvfsm-demo"
+_START_S = 120.0  # a rank process imports NIXL and starts its agent in a few seconds
 
 
-def _pattern(key: str, n: int, block_bytes: int) -> np.ndarray:
-    """The bytes P's prefill writes for request `key`: position-dependent, so D can check them."""
-    seed = sum(key.encode()) & 0xFF
-    row = (np.arange(block_bytes // 8, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)).view(
-        np.uint8
-    )
-    return np.stack([row ^ np.uint8((seed + 31 * i) & 0xFF) for i in range(n)])
+@dataclass
+class _Request:
+    key: str
+    tokens: int
+    blocks: dict[str, list[int]]  # side -> block ids
+    ids: dict[str, str]  # side -> request id
+    ended: dict[str, set[int]] = field(default_factory=lambda: {"P": set(), "D": set()})
+    prefilled: float = 0.0
+    received: float = 0.0
 
 
-def _engine_main(side: str, mode: Mode, layout: BlockLayout, conn: Connection, port: int) -> None:
-    """An engine process: NIXL agent, handshake listener, engine loop driven by the parent."""
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO to stdout; --json owns it
-    from kvfsm.fabric import NixlFabric
-    from kvfsm.runtime import Engine
-    from kvfsm.sidechannel import HandshakeListener, HandshakePayload, ZmqDirectory
-
-    engine_id = "P" if side == "P" else "D"
-    core = (Producer if side == "P" else Consumer)(Identity(engine_id), mode, CoreConfig())
-    fabric = NixlFabric(core.identity.agent)
-    kv = np.zeros(layout.nbytes, dtype=np.uint8)
-    peer_ports: dict[str, tuple[str, int]] = {}
-    directory = ZmqDirectory(peer_ports, compat_hash=_HASH, wire_version=_WIRE, timeout_s=10.0)
-    engine = Engine(core, fabric, kv, layout, directory, time.monotonic)
-    payload = HandshakePayload(
-        engine_id=engine_id, agent=engine.agent, rank=0, tp_size=1,
-        agent_metadata=fabric.get_agent_metadata(), base_address=int(kv.ctypes.data),
-        num_blocks=layout.num_blocks, block_bytes=layout.block_bytes, kv_layout="blocks",
-        block_size=16, mode=mode, wire_version=_WIRE, compat_hash=_HASH,
-    )  # fmt: skip
-    listener = HandshakeListener({engine.agent: payload}.get, port=0)
-    conn.send(("ready", listener.port))
-    blocks_view = kv.reshape(layout.num_blocks, layout.block_bytes)
-    try:
-        while True:
-            if conn.poll():
-                msg = conn.recv()
-                if msg[0] == "stop":
-                    break
-                _apply(msg, engine, blocks_view, peer_ports, layout, conn)
-            engine.poll()
-            for out in engine.take_outputs():
-                _report(out, conn, blocks_view, layout)
-            wait([conn], timeout=0.0002)  # wake on the parent's next command, else poll again
-    finally:
-        engine.close()
-        listener.close()
-        directory.close()
-        fabric.close()
-
-
-def _apply(msg: tuple[Any, ...], engine: Any, kv: np.ndarray, peers: dict[str, tuple[str, int]],
-           layout: BlockLayout, conn: Connection) -> None:  # fmt: skip
-    kind = msg[0]
-    if kind == "peer":
-        peers[msg[1]] = ("127.0.0.1", msg[2])
-    elif kind == "admit_p":
-        _, key, rid, blocks = msg
-        kv[blocks] = _pattern(key, len(blocks), layout.block_bytes)
-        engine.submit(Admit(rid, blocks))
-        engine.submit(PrefillFinished(rid, blocks))
-        conn.send(("prefilled", key, time.monotonic()))  # hand-off latency starts here
-    elif kind == "admit_d":
-        _, key, rid, blocks, p_rid = msg
-        engine.submit(Admit(rid, blocks, "P", 1, p_rid))
-
-
-def _report(out: Any, conn: Connection, kv: np.ndarray, layout: BlockLayout) -> None:
-    if isinstance(out, ReportReceived):
-        key = out.request_id.rsplit("-", 1)[0]
-        expected = _pattern(key, len(out.blocks), layout.block_bytes)
-        ok = bool(np.array_equal(kv[out.blocks], expected))
-        conn.send(("received", out.request_id, ok, int(expected.nbytes), time.monotonic()))
-    elif isinstance(out, Finished):
-        conn.send(("finished", out.request_id, out.state, out.history, time.monotonic()))
+@dataclass
+class _Tally:
+    states: Counter[str] = field(default_factory=Counter)  # "D:done", ...
+    d_outcomes: dict[str, set[str]] = field(default_factory=dict)  # key -> D ranks' states
+    compared: int = 0
+    wrong: int = 0
+    received: int = 0
+    handoff_ms: list[float] = field(default_factory=list)
+    histories: list[tuple[str, Any]] = field(default_factory=list)
+    descriptors: int = 0
+    fabric_descriptors: int = 0
+    counters: Counter[str] = field(default_factory=Counter)
+    errors: list[str] = field(default_factory=list)
 
 
 def run_nixl_demo(
-    mode: Mode, requests: int, *, seed: int = 0, memory_mib: int = 256, max_blocks: int = 8,
-    progress: Any = None,
+    mode: Mode, requests: int, *, seed: int = 0, p_tp: int = 1, d_tp: int = 1,
+    model: str = "llama3-8b", p_block_size: int = 16, d_block_size: int = 16,
+    memory_mib: float = 256, max_blocks: int = 8, progress: Callable[[int], None] | None = None,
 ) -> DemoReport:  # fmt: skip
-    """P and D engine processes over real NIXL; `requests` random-length requests."""
+    """Run `requests` requests of random length (up to `max_blocks` of the larger block size)
+    through P (`p_tp` rank processes) and D (`d_tp`), each rank's KV cache holding `model`'s
+    share within `memory_mib`."""
     cpu0 = time.process_time()
-    layout = BlockLayout(max(8, memory_mib * 2**20 // LLAMA3_8B_BLOCK_BYTES), LLAMA3_8B_BLOCK_BYTES)
+    geometry = {
+        "P": model_geometry(model, tp_size=p_tp, block_size=p_block_size, memory_mib=memory_mib),
+        "D": model_geometry(model, tp_size=d_tp, block_size=d_block_size, memory_mib=memory_mib),
+    }
+    if d_block_size % p_block_size:
+        raise ValueError(f"P's block size {p_block_size} must divide D's {d_block_size}")
+    hash_ = compat_hash(
+        wire_version=WIRE_VERSION, mode=mode, model=model, dtype="float16", geometry=geometry["P"]
+    )
     ctx = mp.get_context("spawn")
-    pipes, procs, ports = {}, {}, {}
-    for side in ("P", "D"):
-        parent, child = ctx.Pipe()
-        procs[side] = ctx.Process(
-            target=_engine_main, args=(side, mode, layout, child, 0), daemon=True
-        )
-        procs[side].start()
-        pipes[side] = parent
+    pipes: dict[str, Connection] = {}
+    procs: dict[str, Any] = {}
+    for side, tp, peer_tp in (("P", p_tp, d_tp), ("D", d_tp, p_tp)):
+        for rank in range(tp):
+            spec = RankSpec(side, mode, geometry[side].for_rank(rank), peer_tp, p_block_size, hash_)
+            parent, child = ctx.Pipe()
+            agent = agent_name(side, rank)
+            procs[agent] = ctx.Process(target=rank_main, args=(spec, child), daemon=True)
+            procs[agent].start()
+            pipes[agent] = parent
+    tally = _Tally()
     try:
-        for side in ("P", "D"):
-            if not pipes[side].poll(60):
-                raise RuntimeError(f"the {side} engine process did not start within 60 s")
-            ports[side] = pipes[side].recv()[1]
-        pipes["P"].send(("peer", "D#0", ports["D"]))
-        pipes["D"].send(("peer", "P#0", ports["P"]))
-        return _drive(mode, requests, seed, layout, max_blocks, pipes, progress, cpu0)
+        ports = _await_ready(pipes, procs)
+        peers = {agent: ("127.0.0.1", port) for agent, port in ports.items()}
+        for conn in pipes.values():
+            conn.send(("peers", peers))
+        t0 = time.monotonic()
+        left = _drive(requests, seed, geometry, max_blocks, pipes, procs, tally, progress)
+        wall = time.monotonic() - t0
     finally:
-        for side in ("P", "D"):
-            pipes[side].send(("stop",))
-        for proc in procs.values():
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+        _stop(pipes, procs, tally)
+    return _report(mode, requests, geometry, model, tally, left, wall, time.process_time() - cpu0)
 
 
-def _drive(mode: Mode, requests: int, seed: int, layout: BlockLayout, max_blocks: int,
-           pipes: dict[str, Connection], progress: Any, cpu0: float) -> DemoReport:  # fmt: skip
-    rng = random.Random(seed)
-    free = {"P": list(range(layout.num_blocks)), "D": list(range(layout.num_blocks))}
-    held: dict[str, tuple[str, list[int]]] = {}  # request id -> (side, blocks)
-    states: list[str] = []
-    histories: list[tuple[str, Any]] = []
-    t0 = time.monotonic()
-    verified: bool = True
-    moved = admitted = done_pairs = 0
-    keys: dict[str, str] = {}  # D request id -> request key
-    prefilled: dict[str, float] = {}  # request key -> when P's prefill ended (P's clock)
-    handoff_ms: list[float] = []
+def _readable(
+    pipes: dict[str, Connection], timeout: float, among: set[str] | None = None
+) -> list[tuple[str, Connection]]:
+    """The ranks (of `among`, default all) with a message waiting, within `timeout`."""
+    conns = [c for a, c in pipes.items() if among is None or a in among]
+    ready = wait(conns, timeout=timeout)
+    return [(a, c) for a, c in pipes.items() if c in ready]
+
+
+def _await_ready(pipes: dict[str, Connection], procs: dict[str, Any]) -> dict[str, int]:
+    ports: dict[str, int] = {}
+    deadline = time.monotonic() + _START_S
+    while len(ports) < len(pipes):
+        left = set(pipes) - set(ports)
+        for agent, conn in _readable(pipes, max(0.0, deadline - time.monotonic()), left):
+            msg = conn.recv()
+            if msg[0] != "ready":
+                raise RuntimeError(f"rank {agent} failed to start: {msg!r}")
+            ports[agent] = msg[1]
+        if time.monotonic() > deadline or any(not p.is_alive() for p in procs.values()):
+            raise RuntimeError(
+                f"rank processes did not all start: {sorted(set(pipes) - set(ports))}"
+            )
+    return ports
+
+
+class _Driver:
+    """Both serving engines' schedulers: allocate, admit on every rank, collect, free."""
+
+    def __init__(self, seed: int, geometry: dict[str, Any], max_blocks: int,
+                 pipes: dict[str, Connection], tally: _Tally) -> None:  # fmt: skip
+        self.rng = random.Random(seed)
+        self.pipes, self.tally = pipes, tally
+        self.bs = {side: geometry[side].block_size for side in ("P", "D")}
+        self.max_tokens = max_blocks * max(self.bs.values())
+        self.ranks = {side: [a for a in pipes if a.startswith(side)] for side in ("P", "D")}
+        self.free = {side: list(range(geometry[side].num_blocks)) for side in ("P", "D")}
+        self.live: dict[str, _Request] = {}  # by key and by each side's request id
+        self.admitted = self.done = 0
+
+    def admit(self, requests: int) -> None:
+        """Admit requests while both sides have free blocks for the next one."""
+        while self.admitted < requests:
+            tokens = self.rng.randint(1, self.max_tokens)
+            need = {side: -(-tokens // bs) for side, bs in self.bs.items()}
+            if any(len(self.free[side]) < need[side] for side in need):
+                return
+            key = f"req{self.admitted}"
+            self.admitted += 1
+            blocks = {s: [self._take_block(s) for _ in range(n)] for s, n in need.items()}
+            ids = {s: f"{key}-{self.rng.getrandbits(32):08x}" for s in need}
+            req = _Request(key, tokens, blocks, ids)
+            self.live[key] = self.live[ids["P"]] = self.live[ids["D"]] = req
+            arrays = {s: np.array(blocks[s], dtype=np.int32) for s in need}
+            for agent in self.ranks["P"]:
+                self.pipes[agent].send(("admit_p", key, ids["P"], arrays["P"]))
+            for agent in self.ranks["D"]:
+                msg = ("admit_d", key, ids["D"], arrays["D"], ids["P"], tokens)
+                self.pipes[agent].send(msg)
+
+    def _take_block(self, side: str) -> int:
+        free = self.free[side]
+        return free.pop(self.rng.randrange(len(free)))  # fragmented, as after allocator churn
+
+    def take(self, agent: str, msg: tuple[Any, ...]) -> bool:
+        """Take one message from a rank; True if it ended a request on every rank."""
+        req = _collect(msg, agent, self.live, self.tally)
+        if req is None or any(len(req.ended[s]) < len(self.ranks[s]) for s in self.bs):
+            return False
+        for side in self.bs:
+            self.free[side].extend(req.blocks[side])
+            del self.live[req.ids[side]]
+        del self.live[req.key]
+        if self.tally.d_outcomes.get(req.key) == {"done"}:
+            self.tally.handoff_ms.append((req.received - req.prefilled) * 1e3)
+        self.done += 1
+        return True
+
+
+def _drive(requests: int, seed: int, geometry: dict[str, Any], max_blocks: int,
+           pipes: dict[str, Connection], procs: dict[str, Any], tally: _Tally,
+           progress: Callable[[int], None] | None) -> int:  # fmt: skip
+    """Admit and collect until every request ended on every rank; returns how many did not."""
+    driver = _Driver(seed, geometry, max_blocks, pipes, tally)
     deadline = time.monotonic() + max(120.0, requests * 0.5)
-    while done_pairs < requests or held:  # P may end after D (pull: on D's notification)
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"only {done_pairs} of {requests} requests ended in time")
-        while admitted < requests:
-            n = rng.randint(1, max_blocks)
-            if min(len(free["P"]), len(free["D"])) < n:
+    while driver.done < requests and time.monotonic() < deadline:
+        driver.admit(requests)
+        for agent, conn in _readable(pipes, 1.0):
+            if driver.take(agent, conn.recv()) and progress is not None:
+                progress(1)
+        dead = [a for a, p in procs.items() if not p.is_alive()]
+        if dead:
+            raise RuntimeError(f"rank processes died: {dead}; errors: {tally.errors[:5]}")
+    return requests - driver.done
+
+
+def _collect(
+    msg: tuple[Any, ...], agent: str, live: dict[str, _Request], tally: _Tally
+) -> _Request | None:
+    """Take one message from a rank; return its request if the message ended it on that rank."""
+    kind = msg[0]
+    if kind == "error":
+        tally.errors.append(f"{agent}: {msg[1]}")
+    elif kind == "prefilled":  # the request ends on P's ranks only after this message
+        req = live[msg[1]]
+        req.prefilled = max(req.prefilled, msg[2])
+    elif kind == "received":
+        tally.compared += msg[2]
+        tally.wrong += msg[3]
+        tally.received += 1
+        req = live[msg[1]]
+        req.received = max(req.received, msg[4])
+    elif kind == "finished":
+        _, rid, state, history, stats = msg
+        req = live[rid]
+        side, rank = agent.split("#")
+        req.ended[side].add(int(rank))
+        tally.states[f"{side}:{state}"] += 1
+        tally.histories.append((side, history))
+        tally.descriptors += stats["descriptors"]
+        tally.fabric_descriptors += stats["fabric_descriptors"]
+        if side == "D":
+            tally.d_outcomes.setdefault(req.key, set()).add(state)
+        return req
+    return None
+
+
+def _stop(pipes: dict[str, Connection], procs: dict[str, Any], tally: _Tally) -> None:
+    for conn in pipes.values():
+        try:
+            conn.send(("stop",))
+        except OSError:
+            continue
+    for agent, conn in pipes.items():
+        deadline = time.monotonic() + 30
+        while (time.monotonic() < deadline and procs[agent].is_alive()) or conn.poll():
+            if not conn.poll(0.1):
+                continue
+            try:
+                msg = conn.recv()
+            except EOFError:
                 break
-            key = f"req{admitted}"
-            admitted += 1
-            p_blocks = [free["P"].pop(rng.randrange(len(free["P"]))) for _ in range(n)]
-            d_blocks = [free["D"].pop(rng.randrange(len(free["D"]))) for _ in range(n)]
-            p_rid, d_rid = f"{key}-{rng.getrandbits(32):08x}", f"{key}-{rng.getrandbits(32):08x}"
-            held[p_rid], held[d_rid] = ("P", p_blocks), ("D", d_blocks)
-            keys[d_rid] = key
-            pipes["P"].send(("admit_p", key, p_rid, np.array(p_blocks, dtype=np.int32)))
-            pipes["D"].send(("admit_d", key, d_rid, np.array(d_blocks, dtype=np.int32), p_rid))
-        for conn in wait(list(pipes.values()), timeout=1.0):
-            msg: tuple[Any, ...] = conn.recv()  # type: ignore[union-attr,call-arg,assignment]
-            if msg[0] == "received":
-                verified = verified and bool(msg[2])
-                moved += msg[3]
-                # P and D run on one host: time.monotonic is one clock for both processes.
-                handoff_ms.append((msg[4] - prefilled[keys[msg[1]]]) * 1e3)
-            elif msg[0] == "prefilled":
-                prefilled[msg[1]] = msg[2]
-            elif msg[0] == "finished":
-                side, blocks = held.pop(msg[1])
-                free[side].extend(blocks)
-                states.append(msg[2])
-                histories.append((side, msg[3]))
-                if side == "D":
-                    done_pairs += 1
-                    if progress is not None:
-                        progress(1)
-    wall = time.monotonic() - t0
-    d_states = [state for (side, _), state in zip(histories, states, strict=True) if side == "D"]
-    p50, p99 = (float(np.percentile(handoff_ms, q)) for q in (50, 99))
+            if msg[0] == "counters":
+                tally.counters.update(msg[1])
+                tally.errors += [f"{agent}: {e}" for e in msg[2]]
+                break
+    for proc in procs.values():
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+
+
+def _report(mode: Mode, requests: int, geometry: dict[str, Any], model: str, tally: _Tally,
+            left: int, wall: float, cpu_s: float) -> DemoReport:  # fmt: skip
+    outcomes = Counter(worst_state(states) for states in tally.d_outcomes.values())
+    violations = [f"{left} requests never ended"] if left else []
+    violations += [f"{tally.wrong} bytes differ from what P wrote"] if tally.wrong else []
+    violations += [f"rank error: {e}" for e in tally.errors[:20]]
+    p50, p99 = (
+        (float(np.percentile(tally.handoff_ms, q)) for q in (50, 99))
+        if tally.handoff_ms
+        else (0.0, 0.0)
+    )
     return DemoReport(
-        mode=mode, fabric="nixl", requests=requests, done=d_states.count("done"),
-        failed=d_states.count("failed"), expired=d_states.count("expired"),
-        aborted=d_states.count("aborted"), bytes=moved,
-        verified=verified and len(handoff_ms) == d_states.count("done"),
-        violations=[f"{len(held)} requests never ended"] if held else [],
-        p_tp=1, d_tp=1, finals=dict(Counter(f"{side}:{s}" for (side, _), s in zip(histories, states, strict=True))),
-        time_in_state_ms=time_in_state(histories), counters={},
-        simulated_s=0.0, cpu_s=time.process_time() - cpu0, wall_s=round(wall, 3),
-        gbps=round(moved / wall / 1e9, 3), handoff_ms_p50=round(p50, 3), handoff_ms_p99=round(p99, 3),
+        mode=mode, fabric="nixl", requests=requests, done=outcomes["done"],
+        failed=outcomes["failed"], expired=outcomes["expired"], aborted=outcomes["aborted"],
+        bytes=tally.compared,
+        verified=not tally.wrong and tally.compared > 0 and tally.received == outcomes["done"] * geometry["D"].tp_size,
+        violations=violations, p_tp=geometry["P"].tp_size, d_tp=geometry["D"].tp_size,
+        finals=dict(tally.states), time_in_state_ms=time_in_state(tally.histories),
+        counters=dict(tally.counters), simulated_s=0.0, cpu_s=cpu_s, wall_s=round(wall, 3),
+        gbps=round(tally.compared / wall / 1e9, 3) if wall else 0.0,
+        handoff_ms_p50=round(p50, 3), handoff_ms_p99=round(p99, 3), model=model,
+        p_block_size=geometry["P"].block_size, d_block_size=geometry["D"].block_size,
+        descriptors=tally.descriptors, fabric_descriptors=tally.fabric_descriptors,
     )  # fmt: skip

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import msgspec
 
+from kvfsm._presets import MODELS
+
 __all__ = ["main"]
 
 _DIAGRAMS = Path("docs/diagrams")
@@ -28,8 +30,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--mode", choices=["push", "pull"], default="push")
     demo.add_argument("--requests", type=int, default=200)
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--p-tp", type=int, default=1)
-    demo.add_argument("--d-tp", type=int, default=1)
+    demo.add_argument("--p-tp", type=int, default=1, help="P's TP size (one process per rank)")
+    demo.add_argument("--d-tp", type=int, default=1, help="D's TP size (one process per rank)")
+    demo.add_argument(
+        "--model", choices=sorted(MODELS), default="llama3-8b",
+        help="KV geometry of the real fabric's engines (deepseek-v2-lite: replicated MLA KV)",
+    )  # fmt: skip
+    demo.add_argument("--p-block-size", type=int, default=None, help="tokens per P block")
+    demo.add_argument(
+        "--d-block-size", type=int, default=None, help="tokens per D block (a multiple of P's)"
+    )
+    demo.add_argument(
+        "--memory-mib", type=float, default=256, help="KV cache per rank (real fabric)"
+    )
     demo.add_argument("--json", action="store_true", help="print one JSON object")
 
     diagrams = commands.add_parser("diagrams", help="generate docs/diagrams from models/")
@@ -49,19 +62,30 @@ def _demo(args: argparse.Namespace) -> int:
     if args.requests < 1:
         print("--requests must be at least 1", file=sys.stderr)
         return 2
-    if args.fabric == "nixl" and (args.p_tp, args.d_tp) != (1, 1):
-        print("--fabric nixl runs TP 1 -> 1 so far; other TP pairs: --fabric sim", file=sys.stderr)
+    default_bs = 4 if args.fabric == "sim" else MODELS[args.model].block_size
+    p_bs = args.p_block_size or default_bs
+    d_bs = args.d_block_size or p_bs
+    if p_bs < 1 or d_bs % p_bs:
+        print(f"--d-block-size {d_bs} must be a multiple of --p-block-size {p_bs}", file=sys.stderr)
         return 2
-    with progress_bar(args.requests, enabled=not args.json) as advance:
-        if args.fabric == "nixl":
-            from kvfsm._nixl_demo import run_nixl_demo
+    try:
+        with progress_bar(args.requests, enabled=not args.json) as advance:
+            if args.fabric == "nixl":
+                from kvfsm._nixl_demo import run_nixl_demo
 
-            report = run_nixl_demo(args.mode, args.requests, seed=args.seed, progress=advance)
-        else:
-            report = run_sim_demo(
-                args.mode, args.requests, seed=args.seed, p_tp=args.p_tp, d_tp=args.d_tp,
-                progress=advance,
-            )  # fmt: skip
+                report = run_nixl_demo(
+                    args.mode, args.requests, seed=args.seed, p_tp=args.p_tp, d_tp=args.d_tp,
+                    model=args.model, p_block_size=p_bs, d_block_size=d_bs,
+                    memory_mib=args.memory_mib, progress=advance,
+                )  # fmt: skip
+            else:
+                report = run_sim_demo(
+                    args.mode, args.requests, seed=args.seed, p_tp=args.p_tp, d_tp=args.d_tp,
+                    p_block_size=p_bs, d_block_size=d_bs, progress=advance,
+                )  # fmt: skip
+    except ValueError as exc:  # a geometry the engines cannot run (TP not splitting heads, ...)
+        print(f"kvfsm demo: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(msgspec.to_builtins(report), sort_keys=True))
     else:

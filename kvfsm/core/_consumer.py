@@ -90,6 +90,13 @@ class Consumer(Side):
         req.tally.expected = len(req.peers)
         self._req.fire(req, "admitted", self._now)
 
+    def next_wakeup(self) -> float | None:
+        """When the next deadline or heartbeat falls."""
+        at = self.deadlines.next_at()
+        if any(r.state in _HEARTBEAT_STATES for r in self.requests.values()):
+            return self._next_heartbeat if at is None else min(at, self._next_heartbeat)
+        return at
+
     def _on_d_tick(self, event: Tick) -> None:
         self._on_tick(event)
         if self._now >= self._next_heartbeat:
@@ -209,19 +216,17 @@ class Consumer(Side):
 
     def _req_cmd_post_transfer(self, req: Request) -> None:
         me = self.identity
-        n = len(req.blocks)
         for link in req.links.values():
             if link.transfer_id or not len(link.block_ids):
                 continue
             link.transfer_id = tid = self._new_transfer_id()
-            if n > len(link.block_ids):
-                self._count_error("rejected", f"{req.id}: needs {n} blocks, P granted fewer")
-                self._tally_result(req, link.agent, False)
-                continue
             self._transfers[tid] = (req.id, link.agent)
             done = encode(Completion(link.request_id, req.id, me.rank, me.tp_size))
-            remote = link.block_ids[len(link.block_ids) - n :]
-            self._emit(PostTransfer(req.id, tid, "READ", link.agent, req.blocks, remote, done))
+            # The runtime pairs our blocks with P's last ones by the two block sizes (a
+            # prefix-cache hit left us fewer), or fails the post when P granted too few.
+            self._emit(
+                PostTransfer(req.id, tid, "READ", link.agent, req.blocks, link.block_ids, done)
+            )
 
     def _req_guard_peer_lost(self, req: Request) -> bool:
         return bool(req.lost)

@@ -68,6 +68,16 @@ class PendingRegistrations:
                 del index[name]
         return entry
 
+    def next_expiry(self) -> float | None:
+        """When the oldest registration's time to live ends, if any is kept."""
+        while self._expiry:
+            at, key = self._expiry[0]
+            entry = self._entries.get(key)
+            if entry is not None and entry.expires == at:
+                return at
+            self._expiry.popleft()  # matched or dropped already
+        return None
+
     def expire(self, now: float) -> list[Key]:
         """Drop the registrations whose time to live is over; return their keys."""
         dropped = []

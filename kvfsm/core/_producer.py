@@ -93,6 +93,13 @@ class Producer(Side):
         req.blocks = self._blocks(req.id, event.blocks)
         self._req.fire(req, "prefill_finished", self._now)
 
+    def next_wakeup(self) -> float | None:
+        """When the next deadline or unmatched-registration expiry falls."""
+        times = [
+            t for t in (self.deadlines.next_at(), self._pending.next_expiry()) if t is not None
+        ]
+        return min(times, default=None)
+
     def _on_p_tick(self, event: Tick) -> None:
         for key in self._pending.expire(self._now):
             self._count_error("registration_expired", f"unmatched registration {key}")
@@ -236,21 +243,18 @@ class Producer(Side):
                 continue
             link.transfer_id = tid = self._new_transfer_id()
             self._transfers[tid] = (req.id, link.agent)
-            n = len(link.block_ids)
-            problem = ""
-            if n > len(req.blocks):  # never a partial success
-                problem = f"D wants {n} blocks, P has {len(req.blocks)}"
-            elif self._now >= link.deadline:  # D may have given up and be fencing already
-                problem = "D's registration deadline passed"
-            if problem:
-                self._count_error("rejected", f"{req.id}: {problem}")
+            if self._now >= link.deadline:  # D may have given up and be fencing already
+                self._count_error("rejected", f"{req.id}: D's registration deadline passed")
                 self._transfers.pop(tid)
                 self._tally_result(req, link.agent, False)
                 continue
             self._send(link.agent, Progress(link.request_id, req.id, *self._me))
             done = encode(Completion(link.request_id, req.id, *self._me))
-            local = req.blocks[len(req.blocks) - n :]
-            self._emit(PostTransfer(req.id, tid, "WRITE", link.agent, local, link.block_ids, done))
+            # All of P's blocks and all of D's: the runtime pairs D's (after its prefix-cache
+            # hit) with P's last ones, by the two block sizes, or fails the post.
+            self._emit(
+                PostTransfer(req.id, tid, "WRITE", link.agent, req.blocks, link.block_ids, done)
+            )
 
     def _req_cmd_notify_peer_failed(self, req: Request) -> None:
         for link in req.links.values():

@@ -115,7 +115,7 @@ class Side:
             Shutdown: self._on_shutdown,
             NotificationReceived: self._on_notification,
             HandshakeDone: lambda e: self._peer_event(e.peer, "handshake_done"),
-            HandshakeFailed: lambda e: self._peer_event(e.peer, "handshake_failed"),
+            HandshakeFailed: self._on_handshake_failed,
             PeerLost: lambda e: self._peer_event(e.peer, "peer_lost"),
             TransferResult: self._on_transfer_result,
         }
@@ -141,8 +141,8 @@ class Side:
         for dispatcher in (self._req, self._peer, self._tally):
             dispatcher.recorder = recorder
 
-    def next_deadline(self) -> float | None:
-        """When the next deadline falls, for an event loop's timeout."""
+    def next_wakeup(self) -> float | None:
+        """When the side next needs a `Tick` (its next deadline), for an event loop's timeout."""
         return self.deadlines.next_at()
 
     # --- common event handlers ------------------------------------------------------------------
@@ -172,6 +172,10 @@ class Side:
                 self._req.fire(req, "abort", self._now)
         for peer in list(self.peers.values()):
             self._peer.fire(peer, "shutdown", self._now)
+
+    def _on_handshake_failed(self, event: HandshakeFailed) -> None:
+        self._count_error("handshake_failed", f"{event.peer}: {event.reason}")
+        self._peer_event(event.peer, "handshake_failed")
 
     def _on_transfer_result(self, event: TransferResult) -> None:
         owner = self._transfers.pop(event.transfer_id, None)

@@ -1,5 +1,6 @@
 """Fabrics: the `Fabric` protocol and its implementations."""
 
+from kvfsm.fabric._memory import BufferSpan, buffer_span
 from kvfsm.fabric._nixl import NixlFabric, nixl_api
 from kvfsm.fabric._protocol import (
     DescArray,
@@ -13,11 +14,13 @@ from kvfsm.fabric._protocol import (
     XferHandle,
     XferOp,
     XferState,
+    XferTelemetry,
 )
 from kvfsm.fabric._sim import SimFabric, SimNetwork
 from kvfsm.fabric._sim_faults import SimFaults, SimStats
 
 __all__ = [
+    "BufferSpan",
     "DescArray",
     "DlistHandle",
     "Fabric",
@@ -34,5 +37,7 @@ __all__ = [
     "XferHandle",
     "XferOp",
     "XferState",
+    "XferTelemetry",
+    "buffer_span",
     "nixl_api",
 ]

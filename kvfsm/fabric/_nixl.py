@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from kvfsm.fabric._memory import buffer_span
 from kvfsm.fabric._protocol import (
     DescArray,
     DlistHandle,
@@ -28,6 +29,7 @@ from kvfsm.fabric._protocol import (
     XferHandle,
     XferOp,
     XferState,
+    XferTelemetry,
 )
 
 __all__ = ["NixlFabric", "nixl_api"]
@@ -61,21 +63,26 @@ class NixlFabric:
         *,
         mem_type: str = "DRAM",
         progress_thread: bool = False,
+        telemetry: bool = True,
         agent: Any = None,
     ) -> None:
-        """`mem_type` is "DRAM" (host memory) or "VRAM" (CUDA tensors); `agent` replaces the
-        NIXL agent (tests of what kvfsm passes to NIXL where no GPU is present)."""
+        """`mem_type` is "DRAM" (host memory) or "VRAM" (CUDA tensors); `telemetry` has NIXL time
+        and count each transfer (`xfer_telemetry`); `agent` replaces the NIXL agent (tests of
+        what kvfsm passes to NIXL where no GPU is present)."""
         if mem_type not in ("DRAM", "VRAM"):
             raise ValueError(f"mem_type must be DRAM or VRAM, not {mem_type!r}")
         if agent is None:
             api = nixl_api()
             self._errors = _error_map(_bindings(api))
-            config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+            config = api.nixl_agent_config(
+                enable_prog_thread=progress_thread, capture_telemetry=telemetry, backends=["UCX"]
+            )
             agent = api.nixl_agent(name, config)
         else:
             self._errors = {}
         self._agent = agent
         self._mem_type = mem_type
+        self._telemetry = telemetry
         self._name = name
         self._ids = itertools.count(1)
         self._memory: dict[int, Any] = {}
@@ -91,7 +98,7 @@ class NixlFabric:
     def register_memory(self, buffer: npt.NDArray[np.uint8]) -> MemoryHandle:
         """Register a contiguous 1-D uint8 numpy buffer (DRAM), or a contiguous torch tensor:
         a CPU tensor as DRAM, a CUDA tensor as VRAM on its device."""
-        addr, nbytes, device, mem_type = _region(buffer)
+        addr, nbytes, device, mem_type = buffer_span(buffer)
         if mem_type != self._mem_type:
             raise TypeError(f"{self._name} transfers {self._mem_type}; this buffer is {mem_type}")
         descs = self._agent.get_reg_descs([(addr, nbytes, device, "")], mem_type)
@@ -168,6 +175,16 @@ class NixlFabric:
         with self._translated():
             self._agent.release_xfer_handle(self._take(self._xfers, handle))
 
+    def xfer_telemetry(self, handle: XferHandle) -> XferTelemetry | None:
+        """NIXL's measurement of a finished transfer (None with telemetry off)."""
+        if not self._telemetry:
+            return None
+        with self._translated():
+            t = self._agent.get_xfer_telemetry(self._get(self._xfers, handle))
+        return XferTelemetry(
+            float(t.postDuration), float(t.xferDuration), int(t.totalBytes), int(t.descCount)
+        )
+
     def send_notif(self, agent: str, msg: bytes) -> None:
         """Send a notification to a loaded peer."""
         with self._translated():
@@ -235,22 +252,6 @@ class NixlFabric:
         except Exception as exc:  # NIXL raises its own types (and sometimes plain ones)
             kind = self._errors.get(type(exc).__name__, FabricError)
             raise kind(f"{self._name}: {type(exc).__name__}: {exc}") from exc
-
-
-def _region(buffer: Any) -> tuple[int, int, int, str]:
-    """(address, bytes, device id, NIXL memory type) of a numpy byte buffer or a torch tensor."""
-    if isinstance(buffer, np.ndarray):
-        if buffer.ndim != 1 or buffer.dtype != np.uint8 or not buffer.flags.c_contiguous:
-            raise TypeError("register_memory needs a contiguous 1-D numpy uint8 array")
-        return int(buffer.ctypes.data), buffer.nbytes, 0, "DRAM"
-    if all(hasattr(buffer, a) for a in ("data_ptr", "element_size", "numel", "is_contiguous")):
-        if not buffer.is_contiguous():
-            raise TypeError("register_memory needs a contiguous tensor")
-        nbytes = int(buffer.numel()) * int(buffer.element_size())
-        if buffer.is_cuda:
-            return int(buffer.data_ptr()), nbytes, int(buffer.device.index or 0), "VRAM"
-        return int(buffer.data_ptr()), nbytes, 0, "DRAM"
-    raise TypeError(f"cannot register {type(buffer).__name__}: a numpy uint8 array or a tensor")
 
 
 def _error_map(bindings: Any) -> dict[str, type[FabricError]]:

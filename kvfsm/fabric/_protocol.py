@@ -15,7 +15,7 @@ included, so that code tested on the simulated fabric behaves the same on the re
 
 from __future__ import annotations
 
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -32,6 +32,7 @@ __all__ = [
     "XferHandle",
     "XferOp",
     "XferState",
+    "XferTelemetry",
 ]
 
 XferState = Literal["DONE", "PROC", "ERR"]
@@ -42,6 +43,18 @@ DescArray = npt.NDArray[np.int64]
 MemoryHandle = int
 DlistHandle = int
 XferHandle = int
+
+
+class XferTelemetry(NamedTuple):
+    """What the fabric measured of one finished transfer."""
+
+    post_us: float
+    """Time spent posting it."""
+    xfer_us: float
+    """Time from the post to its completion."""
+    bytes: int
+    descriptors: int
+    """Descriptors the fabric moved after merging those adjacent on both sides."""
 
 
 class FabricError(Exception):
@@ -119,6 +132,11 @@ class Fabric(Protocol):
 
     def release_xfer_handle(self, handle: XferHandle) -> None:
         """Release a transfer; cancels it if still in progress."""
+        ...
+
+    def xfer_telemetry(self, handle: XferHandle) -> XferTelemetry | None:
+        """What the fabric measured of a finished transfer (before its release); None if it
+        does not measure."""
         ...
 
     def send_notif(self, agent: str, msg: bytes) -> None:

@@ -33,6 +33,7 @@ from kvfsm.fabric._protocol import (
     XferHandle,
     XferOp,
     XferState,
+    XferTelemetry,
 )
 from kvfsm.fabric._sim_faults import SimFaults, _Completion, _FaultyClock, _Notif
 
@@ -78,8 +79,11 @@ class _Xfer:
     remote_offset: _I64
     length: _I64
     notif: bytes
+    merged: int  # rows once those adjacent on both sides are merged, as NIXL's prepped path does
     state: Literal["NEW", "PROC", "DONE", "ERR"] = "NEW"
     post: int = 0  # bumped by every post so that a stale completion event is ignored
+    posted_at: float = 0.0
+    done_at: float = 0.0
 
 
 def _resolve(descs: object, regions: dict[int, tuple[int, int]], owner: str) -> tuple[_I64, _I64]:
@@ -105,6 +109,15 @@ def _resolve(descs: object, regions: dict[int, tuple[int, int]], owner: str) -> 
             f"descriptor row {i} (addr, len, dev)={row} is not inside memory registered by {owner}"
         )
     return region, offset
+
+
+def _merged_rows(lr: _I64, lo: _I64, rr: _I64, ro: _I64, length: _I64) -> int:
+    """Rows left after merging each row into the previous one when it continues it on both sides."""
+    if not len(length):
+        return 0
+    joins = (lr[1:] == lr[:-1]) & (lo[1:] == lo[:-1] + length[:-1])
+    joins &= (rr[1:] == rr[:-1]) & (ro[1:] == ro[:-1] + length[:-1])
+    return int(len(length) - np.count_nonzero(joins))
 
 
 def _indices(idx: object, n: int, what: str) -> _I64:
@@ -282,9 +295,11 @@ class SimFabric:
                 f"remote row {int(ri[i])} has {int(rd.length[ri[i]])}"
             )
         handle = self._net._next_id()
+        length = ld.length[li]
+        merged = _merged_rows(ld.region[li], ld.offset[li], rd.region[ri], rd.offset[ri], length)
         self._xfers[handle] = _Xfer(
             op, rd.peer, rd.gen, ld.region[li], ld.offset[li], rd.region[ri], rd.offset[ri],
-            ld.length[li], notif,
+            length, notif, merged,
         )  # fmt: skip
         return handle
 
@@ -319,6 +334,14 @@ class SimFabric:
             self._net._stats.xfers_cancelled += 1
         elif x.state == "DONE":
             self._released_done.add(handle)
+
+    def xfer_telemetry(self, handle: XferHandle) -> XferTelemetry | None:
+        """The simulated measurement of a finished transfer (virtual time; posting is free)."""
+        self._usable()
+        x = self._xfer(handle)
+        if x.state != "DONE":
+            return None
+        return XferTelemetry(0.0, (x.done_at - x.posted_at) * 1e6, int(x.length.sum()), x.merged)
 
     def send_notif(self, agent: str, msg: bytes) -> None:
         """Send `msg` to a loaded peer; it arrives after `SimFaults.notif_latency`."""
@@ -437,7 +460,7 @@ class SimNetwork(_FaultyClock):
 
     def _post(self, fabric: SimFabric, handle: XferHandle, x: _Xfer) -> XferState:
         latency, fail_rows = self._plan_post(fabric.agent_name, len(x.length))  # may raise
-        x.state, x.post = "PROC", x.post + 1
+        x.state, x.post, x.posted_at = "PROC", x.post + 1, self._now
         if latency is None or self._incarnations[x.gen]._silent:
             return "PROC"  # no completion event: PROC until released
         if latency == 0:
@@ -461,7 +484,7 @@ class SimNetwork(_FaultyClock):
             x.state = "ERR"
             self._stats.xfers_err += 1
             return
-        x.state = "DONE"
+        x.state, x.done_at = "DONE", self._now
         self._stats.xfers_done += 1
         self._stats.bytes_moved += int(x.length.sum())
         if x.notif:

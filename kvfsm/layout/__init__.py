@@ -1,6 +1,5 @@
 """KV layouts and descriptor math.
 
-* `BlockLayout`: one region of equal blocks (the engine's simple layout).
 * `KvGeometry`, `RegionLayout`, `BlockSlice`, `slice_ids`: per-layer regions (joint or split K/V,
   MLA), descriptor rows and row ids by broadcasting.
 * `plan_pairings` and friends: heterogeneous TP, which remote ranks and which head slices.
@@ -9,7 +8,6 @@
 * `coalesce`: fewer, larger descriptors where both sides are contiguous.
 """
 
-from kvfsm.layout._blocks import BlockLayout
 from kvfsm.layout._blocksize import (
     align_tail,
     block_size_factors,
@@ -31,7 +29,6 @@ from kvfsm.layout._tp import (
 )
 
 __all__ = [
-    "BlockLayout",
     "BlockSlice",
     "Coalesced",
     "Int64Array",

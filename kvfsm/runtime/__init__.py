@@ -9,14 +9,25 @@ from kvfsm.runtime._engine import (
     InFlight,
     PeerInfo,
 )
+from kvfsm.runtime._kv import KvCache
+from kvfsm.runtime._loop import EngineLoop
+from kvfsm.runtime._routes import Route, plan_route
+from kvfsm.runtime._trace import RequestTrace, TransferStats, time_in_state
 
 __all__ = [
     "CallerOutput",
     "Directory",
     "DirectoryView",
     "Engine",
+    "EngineLoop",
     "HandshakeError",
     "InFlight",
+    "KvCache",
     "LocalDirectory",
     "PeerInfo",
+    "RequestTrace",
+    "Route",
+    "TransferStats",
+    "plan_route",
+    "time_in_state",
 ]

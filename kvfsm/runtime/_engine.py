@@ -2,7 +2,8 @@
 
 It owns the fabric (every fabric call happens inside `submit`/`poll`, from one thread), turns
 notifications, transfer states and handshake results into events, and hands the caller the
-commands that concern it (blocks released, requests received or failed, requests finished).
+commands that concern it (blocks released, requests received or failed, requests finished) and a
+`RequestTrace` of each finished request.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ from contextlib import contextmanager
 from typing import Any, Protocol
 
 import msgspec
-import numpy as np
-import numpy.typing as npt
 
 from kvfsm.core import (
     CancelTransfer,
@@ -37,21 +36,22 @@ from kvfsm.core import (
     TransferResult,
 )
 from kvfsm.fabric import Fabric, FabricError, RemoteDisconnectedError, XferHandle
-from kvfsm.layout import BlockLayout
-from kvfsm.wire import BlockIds
+from kvfsm.layout import Int64Array, RegionLayout
+from kvfsm.runtime._kv import KvCache
+from kvfsm.runtime._routes import Route, plan_route, prepare_route
+from kvfsm.runtime._trace import RequestTrace, TransferStats, trace_of
 
 __all__ = ["CallerOutput", "Directory", "Engine", "HandshakeError", "InFlight", "PeerInfo"]
 
-CallerOutput = ReleaseBlocks | ReportReceived | ReportFailed | Finished
+CallerOutput = ReleaseBlocks | ReportReceived | ReportFailed | Finished | RequestTrace
 
 
 class PeerInfo(msgspec.Struct, frozen=True):
-    """What a handshake learns about a peer rank: its agent and where its blocks are."""
+    """What a handshake learns about a peer rank: its agent and where its KV regions are."""
 
     agent: str
     metadata: bytes
-    base_address: int
-    layout: BlockLayout
+    layout: RegionLayout
 
 
 class HandshakeError(Exception):
@@ -72,42 +72,45 @@ class Directory(Protocol):
 
 
 class InFlight(msgspec.Struct):
-    """A posted transfer: what it moves, to be checked until it ends."""
+    """A posted transfer, checked until it ends."""
 
     request_id: str
     handle: XferHandle
     peer: str
     op: str
-    local_blocks: BlockIds
-    remote_blocks: BlockIds
+    bytes: int
 
 
 class Engine:
-    """One engine rank: a core side, a fabric agent and the KV region it registered."""
+    """One engine rank: a core side, a fabric agent and the KV cache it registered."""
 
     def __init__(
         self,
         side: Side,
         fabric: Fabric,
-        kv: npt.NDArray[np.uint8],
-        layout: BlockLayout,
+        kv: KvCache,
         directory: Directory,
         clock: Callable[[], float],
     ) -> None:
-        if kv.nbytes != layout.nbytes:
-            raise ValueError(f"KV buffer has {kv.nbytes} bytes, layout needs {layout.nbytes}")
         self.side = side
         self.fabric = fabric
         self.kv = kv
-        self.layout = layout
         self.directory = directory
         self.clock = clock
         self.counters: Counter[str] = Counter()
         self.outputs: list[CallerOutput] = []
         self.inflight: dict[int, InFlight] = {}
-        self._memory = fabric.register_memory(kv)
-        self._local = fabric.prep_xfer_dlist(None, layout.descriptors(int(kv.ctypes.data)))
-        self._remote: dict[str, int] = {}  # peer agent -> prepared remote list
+        self._local_is_p = side.side == "P"
+        self._posts = self._local_is_p == (side.mode == "push")  # P WRITEs in push, D READs in pull
+        self._memory: list[int] = []
+        try:
+            for buffer in kv.buffers:
+                self._memory.append(fabric.register_memory(buffer))
+        except BaseException:
+            self._deregister()
+            raise
+        self._routes: dict[str, Route] = {}  # peer agent (loaded) -> how to move KV with it
+        self._stats: dict[str, TransferStats] = {}
         self._queue: deque[Event] = deque()
         self._closed = False
         self._runners: dict[type, Callable[[Any], None]] = {
@@ -116,6 +119,7 @@ class Engine:
             CancelTransfer: lambda c: self._cancel(c.transfer_id),
             StartHandshake: lambda c: self.directory.start(c.peer),
             RemoveAgent: lambda c: self._forget_peer(c.peer),
+            Finished: self._finished,
         }
 
     @property
@@ -125,8 +129,21 @@ class Engine:
 
     def info(self) -> PeerInfo:
         """What a peer's handshake with this engine returns."""
-        meta = self.fabric.get_agent_metadata()
-        return PeerInfo(self.agent, meta, int(self.kv.ctypes.data), self.layout)
+        return PeerInfo(self.agent, self.fabric.get_agent_metadata(), self.kv.layout)
+
+    @property
+    def busy(self) -> bool:
+        """Requests are live or transfers in flight: the fabric needs polling."""
+        return bool(self.inflight or self.side.requests)
+
+    @property
+    def peers(self) -> int:
+        """Peer agents loaded (their notifications may arrive at any time)."""
+        return len(self._routes)
+
+    def next_wakeup(self) -> float | None:
+        """When the core next needs a `Tick` (a deadline, heartbeat or expiry), if ever."""
+        return self.side.next_wakeup()
 
     # --- driving -------------------------------------------------------------------------------
 
@@ -138,16 +155,21 @@ class Engine:
             for command in self.side.handle(queue.popleft(), self.clock()):
                 self._execute(command)
 
-    def poll(self) -> None:
-        """Drain notifications, check in-flight transfers and fire due deadlines."""
+    def poll(self) -> bool:
+        """Take finished handshakes, drain notifications, check in-flight transfers and fire due
+        deadlines; True if anything arrived or ended."""
+        active = False
         for peer, result in self.directory.results():
             self._connect(peer, result)
+            active = True
         for sender, messages in self._notifications().items():
             for payload in messages:
                 self.submit(NotificationReceived(sender, payload))
+                active = True
         for tid, flight in list(self.inflight.items()):
-            self._check(tid, flight)
+            active |= self._check(tid, flight)
         self.submit(Tick())  # also runs the results queued by the checks
+        return active
 
     def take_outputs(self) -> list[CallerOutput]:
         """The caller-facing commands since the last call."""
@@ -155,7 +177,7 @@ class Engine:
         return out
 
     def close(self) -> None:
-        """Release every handle, list, remote agent and the registration."""
+        """Release every handle, list, remote agent and the registrations."""
         if self._closed:
             return
         self._closed = True
@@ -163,10 +185,9 @@ class Engine:
             for flight in self.inflight.values():
                 self.fabric.release_xfer_handle(flight.handle)
             self.inflight.clear()
-            for peer in list(self._remote):
+            for peer in list(self._routes):
                 self._forget_peer(peer)
-            self.fabric.release_dlist_handle(self._local)
-            self.fabric.deregister_memory(self._memory)
+        self._deregister()
 
     # --- executing commands ----------------------------------------------------------------------
 
@@ -177,85 +198,136 @@ class Engine:
         else:
             run(command)
 
+    def _finished(self, command: Finished) -> None:
+        self.outputs.append(command)
+        self.outputs.append(trace_of(command, self._stats.pop(command.request_id, None)))
+
     def _connect(self, peer: str, result: PeerInfo | HandshakeError) -> None:
         try:
             if isinstance(result, HandshakeError):
                 raise result
-            info = result
-            if info.agent != peer:
-                raise HandshakeError(f"asked for {peer!r}, {info.agent!r} answered")
+            if result.agent != peer:
+                raise HandshakeError(f"asked for {peer!r}, {result.agent!r} answered")
             self._forget_peer(peer)
-            self.fabric.add_remote_agent(info.metadata)
-            descs = info.layout.descriptors(info.base_address)
-            self._remote[peer] = self.fabric.prep_xfer_dlist(peer, descs)
-        except (HandshakeError, FabricError) as exc:
+            self._routes[peer] = self._route(peer, result)
+        except (HandshakeError, FabricError, ValueError) as exc:
             self.counters["handshake_failed"] += 1
             self._queue.append(HandshakeFailed(peer, str(exc)))
             return
         self._queue.append(HandshakeDone(peer))
 
+    def _route(self, peer: str, info: PeerInfo) -> Route:
+        route = plan_route(self.kv.geometry, info.layout.geometry, local_is_p=self._local_is_p)
+        self.fabric.add_remote_agent(info.metadata)
+        if not self._posts:
+            return route
+        try:
+            return prepare_route(route, self.fabric, self.kv, peer, info.layout)
+        except BaseException:
+            with _tolerant(self.counters, "remove_agent"):
+                self.fabric.remove_remote_agent(peer)
+            raise
+
     def _forget_peer(self, peer: str) -> None:
-        dlist = self._remote.pop(peer, None)
-        if dlist is None:
+        route = self._routes.pop(peer, None)
+        if route is None:
             return
         with _tolerant(self.counters, "remove_agent"):
-            self.fabric.release_dlist_handle(dlist)
+            for dlist in (route.local, route.remote):
+                if dlist is not None:
+                    self.fabric.release_dlist_handle(dlist)
             self.fabric.remove_remote_agent(peer)
 
     def _post(self, cmd: PostTransfer) -> None:
-        dlist = self._remote.get(cmd.peer)
-        if dlist is None:
-            self._queue.append(TransferResult(cmd.request_id, cmd.transfer_id, False, "no peer"))
+        stats = self._stats.setdefault(cmd.request_id, TransferStats())
+        stats.transfers += 1
+        route = self._routes.get(cmd.peer)
+        if route is None:
+            self._post_failed(cmd, stats, None, "no connection to the peer")
             return
+        try:
+            rows = (
+                None if route.pairing is None else route.rows(cmd.local_blocks, cmd.remote_blocks)
+            )
+        except ValueError as exc:
+            self.counters["post_refused"] += 1
+            self._post_failed(cmd, stats, None, str(exc))
+            return
+        if rows is None or not len(rows[0]):
+            # Another rank moves the bytes (replicated KV), or there are none: only the
+            # completion notification travels.
+            ok = self._send(cmd.peer, cmd.notification)
+            stats.failed += not ok
+            self._queue.append(TransferResult(cmd.request_id, cmd.transfer_id, ok, "notify"))
+            return
+        self._start(cmd, route, rows, stats)
+
+    def _start(
+        self,
+        cmd: PostTransfer,
+        route: Route,
+        rows: tuple[Int64Array, Int64Array],
+        stats: TransferStats,
+    ) -> None:
+        assert route.local is not None and route.remote is not None  # prepared on a posting side
+        local_rows, remote_rows = rows
         handle = None
         try:
             handle = self.fabric.make_prepped_xfer(
-                cmd.op,
-                self._local,
-                cmd.local_blocks.astype(np.int64),
-                dlist,
-                cmd.remote_blocks.astype(np.int64),
-                cmd.notification,
+                cmd.op, route.local, local_rows, route.remote, remote_rows, cmd.notification
             )
             state = self.fabric.transfer(handle)
         except FabricError as exc:
-            self._post_failed(cmd, handle, exc)
+            if isinstance(exc, RemoteDisconnectedError):
+                self._lost(cmd.peer)
+            self._post_failed(cmd, stats, handle, str(exc))
             return
         self.counters["posted"] += 1
-        self.counters["blocks_posted"] += len(cmd.local_blocks)
+        self.counters["descriptors"] += len(local_rows)
+        stats.descriptors += len(local_rows)
         flight = InFlight(
-            cmd.request_id, handle, cmd.peer, cmd.op, cmd.local_blocks, cmd.remote_blocks
+            cmd.request_id, handle, cmd.peer, cmd.op, len(local_rows) * route.row_bytes
         )
         self.inflight[cmd.transfer_id] = flight
         if state != "PROC":
             self._finish(cmd.transfer_id, flight, state == "DONE", state)
 
-    def _post_failed(self, cmd: PostTransfer, handle: XferHandle | None, exc: Exception) -> None:
+    def _post_failed(
+        self, cmd: PostTransfer, stats: TransferStats, handle: XferHandle | None, why: str
+    ) -> None:
         self.counters["post_failed"] += 1
+        stats.failed += 1
         if handle is not None:
             with _tolerant(self.counters, "release"):
                 self.fabric.release_xfer_handle(handle)
-        self._queue.append(TransferResult(cmd.request_id, cmd.transfer_id, False, str(exc)))
-        if isinstance(exc, RemoteDisconnectedError):
-            self._lost(cmd.peer)
+        self._queue.append(TransferResult(cmd.request_id, cmd.transfer_id, False, why))
 
-    def _check(self, tid: int, flight: InFlight) -> None:
+    def _check(self, tid: int, flight: InFlight) -> bool:
         try:
             state = self.fabric.check_xfer_state(flight.handle)
         except FabricError as exc:
             if isinstance(exc, RemoteDisconnectedError):
                 self._lost(flight.peer)  # the cause first, then what it did to the transfer
             self._finish(tid, flight, False, str(exc))
-            return
-        if state != "PROC":
-            self._finish(tid, flight, state == "DONE", state)
+            return True
+        if state == "PROC":
+            return False
+        self._finish(tid, flight, state == "DONE", state)
+        return True
 
     def _finish(self, tid: int, flight: InFlight, ok: bool, why: str) -> None:
         del self.inflight[tid]
+        stats = self._stats.get(flight.request_id)
+        if ok:
+            self.counters["bytes"] += flight.bytes
+            if stats is not None:
+                stats.bytes += flight.bytes
+                with _tolerant(self.counters, "telemetry"):
+                    stats.measured(self.fabric.xfer_telemetry(flight.handle))
+        elif stats is not None:
+            stats.failed += 1
         with _tolerant(self.counters, "release"):
             self.fabric.release_xfer_handle(flight.handle)
-        if ok:
-            self.counters["bytes"] += len(flight.local_blocks) * self.layout.block_bytes
         self._queue.append(TransferResult(flight.request_id, tid, ok, "" if ok else why))
 
     def _cancel(self, tid: int) -> None:
@@ -266,16 +338,21 @@ class Engine:
                 self.fabric.release_xfer_handle(flight.handle)
 
     def _notify(self, cmd: SendNotification) -> None:
+        self._send(cmd.peer, cmd.payload)
+
+    def _send(self, peer: str, payload: bytes) -> bool:
         try:
-            self.fabric.send_notif(cmd.peer, cmd.payload)
+            self.fabric.send_notif(peer, payload)
         except FabricError as exc:
             self.counters["notify_failed"] += 1
             if isinstance(exc, RemoteDisconnectedError):
-                self._lost(cmd.peer)
+                self._lost(peer)
+            return False
+        return True
 
     def _lost(self, peer: str) -> None:
         """Report a lost peer, unless its agent is no longer loaded (a stale transfer's error)."""
-        if peer in self._remote:
+        if peer in self._routes:
             self._queue.append(PeerLost(peer))
         else:
             self.counters["stale_peer_lost"] += 1
@@ -286,6 +363,11 @@ class Engine:
         except FabricError:
             self.counters["notif_drain_failed"] += 1
             return {}
+
+    def _deregister(self) -> None:
+        while self._memory:
+            with _tolerant(self.counters, "deregister"):
+                self.fabric.deregister_memory(self._memory.pop())
 
 
 @contextmanager

@@ -22,6 +22,7 @@ from kvfsm.sidechannel._payload import (
     decode_reply,
     decode_request,
     encode,
+    payload_of,
 )
 
 __all__ = [
@@ -39,5 +40,6 @@ __all__ = [
     "decode_request",
     "encode",
     "fetch_payload",
+    "payload_of",
     "validate",
 ]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import zmq
 
 from kvfsm.core import agent_name
-from kvfsm.runtime import HandshakeError
+from kvfsm.layout import KvGeometry
+from kvfsm.runtime import HandshakeError, plan_route
 from kvfsm.sidechannel._payload import (
     _HARD_LIMIT_BYTES,
     HandshakePayload,
@@ -104,38 +105,46 @@ def validate(
     payload: HandshakePayload,
     *,
     expect_mode: str | None = None,
-    tp_size: int | None = None,
-    block_size: int | None = None,
-    kv_layout: str | None = None,
+    local: KvGeometry | None = None,
+    local_is_p: bool = False,
 ) -> None:
-    """Check a payload's geometry; raise `HandshakeError` listing every problem.
+    """Check a payload; raise `HandshakeError` listing every problem.
 
-    Always: blocks and bytes exist, the rank lies within the TP size. With the local side's
-    values: the modes and KV layouts are equal, and the TP sizes and block sizes divide each other
-    (they may differ: each side maps blocks and head slices by the ratio).
+    Always: one base address and one block length per region, the lengths the geometry implies,
+    regions that do not overlap. With `expect_mode`: the modes are equal. With the `local` rank's
+    geometry (a P rank if `local_is_p`): the two KV caches can exchange blocks, i.e. same model
+    geometry and page layout, TP sizes that divide each other, P's block size dividing D's, and
+    the peer rank is one the local rank pairs with.
     """
-    p = payload
+    p, g = payload, payload.geometry
     problems = []
-    if p.num_blocks < 1:
-        problems.append(f"num_blocks must be > 0, got {p.num_blocks}")
-    if p.block_bytes < 1:
-        problems.append(f"block_bytes must be > 0, got {p.block_bytes}")
-    if p.block_size < 1:
-        problems.append(f"block_size must be > 0, got {p.block_size}")
-    if p.base_address < 0:
-        problems.append(f"base_address must be >= 0, got {p.base_address}")
-    if p.tp_size < 1 or not 0 <= p.rank < p.tp_size:
-        problems.append(f"rank {p.rank} does not lie within TP size {p.tp_size}")
+    if len(p.base_addresses) != g.num_regions:
+        problems.append(
+            f"{len(p.base_addresses)} base addresses for {g.num_regions} regions"
+            f" ({g.num_layers} layers, K/V {'split' if g.split_kv else 'joint'})"
+        )
+    elif set(p.block_lens) != {g.block_len} or len(p.block_lens) != g.num_regions:
+        problems.append(
+            f"block lengths {sorted(set(p.block_lens))} do not match the geometry's {g.block_len}"
+            f" bytes per block in each of {g.num_regions} regions"
+        )
+    else:
+        try:
+            p.layout()
+        except ValueError as exc:
+            problems.append(str(exc))
     if expect_mode is not None and p.mode != expect_mode:
         problems.append(f"mode mismatch: we run {expect_mode!r}, peer runs {p.mode!r}")
-    if kv_layout is not None and p.kv_layout != kv_layout:
-        problems.append(f"kv layout mismatch: we use {kv_layout!r}, peer uses {p.kv_layout!r}")
-    if tp_size is not None and not _divides(tp_size, p.tp_size):
-        problems.append(f"TP sizes {tp_size} (ours) and {p.tp_size} (peer's) do not divide")
-    if block_size is not None and not _divides(block_size, p.block_size):
-        problems.append(
-            f"block sizes {block_size} (ours) and {p.block_size} (peer's) do not divide"
-        )
+    if local is not None:
+        if not _divides(local.tp_size, g.tp_size):
+            problems.append(
+                f"TP sizes {local.tp_size} (ours) and {g.tp_size} (peer's) do not divide"
+            )
+        else:
+            try:
+                plan_route(local, g, local_is_p=local_is_p)
+            except ValueError as exc:
+                problems.append(str(exc))
     if problems:
         raise HandshakeError(f"bad handshake payload from {p.agent!r}: " + "; ".join(problems))
 

@@ -7,7 +7,6 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 
-from kvfsm.layout import BlockLayout
 from kvfsm.runtime import HandshakeError, PeerInfo
 from kvfsm.sidechannel._client import fetch_payload, validate
 from kvfsm.sidechannel._payload import HandshakePayload
@@ -22,9 +21,11 @@ class ZmqDirectory:
     the listener at `addresses[peer]` (a mapping, or a callable that may raise for unknown peers)
     off the caller's thread; `results()` hands back finished handshakes and never raises.
 
-    Every payload goes through `check` (default: `validate` with no expectations, i.e. sane
-    geometry); pass e.g. ``functools.partial(validate, expect_mode="pull", tp_size=2)`` for more.
-    `wait(timeout)` blocks until a result is ready, for loops with nothing else to do.
+    Every payload goes through `check` (default: `validate` with no expectations, i.e. a
+    consistent payload); pass e.g. ``functools.partial(validate, expect_mode="pull",
+    local=geometry)`` for more. `wait(timeout)` blocks until a result is ready, for loops with
+    nothing else to do; `on_result` (if set) is called from the handshake thread whenever one
+    is, e.g. to wake an engine loop.
     """
 
     def __init__(
@@ -49,6 +50,7 @@ class ZmqDirectory:
         self._done: list[tuple[str, _Result]] = []  # guarded by _ready
         self._pending = 0  # guarded by _ready
         self._closed = False  # guarded by _ready
+        self.on_result: Callable[[], None] | None = None
 
     @property
     def pending(self) -> int:
@@ -102,8 +104,7 @@ class ZmqDirectory:
             timeout_s=self.timeout_s,
         )
         self._check(payload)
-        layout = BlockLayout(payload.num_blocks, payload.block_bytes)
-        return PeerInfo(payload.agent, payload.agent_metadata, payload.base_address, layout)
+        return PeerInfo(payload.agent, payload.agent_metadata, payload.layout())
 
     def _finish(self, peer: str, future: Future[_Result]) -> None:
         result: _Result
@@ -122,6 +123,8 @@ class ZmqDirectory:
             self._pending -= 1
             self._done.append((peer, result))
             self._ready.notify_all()
+        if self.on_result is not None:
+            self.on_result()
 
     def close(self) -> None:
         """Cancel queued handshakes and wait for running ones (each ends within `timeout_s`)."""

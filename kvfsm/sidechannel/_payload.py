@@ -3,7 +3,7 @@
 The side channel runs before any NIXL connection exists: it tells the asking engine rank the
 peer's agent metadata and where its KV blocks are. Both ends agree on a `compat_hash` covering what
 must be equal on both sides (model, dtype, attention geometry, mode, wire version); what may differ
-(TP size, block size) travels in the payload and is checked by `validate`. Every frame is bounded
+(TP size, block size, K/V split) travels in the payload and is checked by `validate`. Every frame is bounded
 and type-checked on decode, so garbage from the network becomes a `SidechannelError`, never a crash.
 """
 
@@ -12,6 +12,9 @@ from __future__ import annotations
 import hashlib
 
 import msgspec
+
+from kvfsm.layout import KvGeometry, RegionLayout
+from kvfsm.runtime import Engine
 
 __all__ = [
     "MAX_HANDSHAKE_BYTES",
@@ -25,6 +28,7 @@ __all__ = [
     "decode_reply",
     "decode_request",
     "encode",
+    "payload_of",
 ]
 
 MAX_HANDSHAKE_BYTES = 1 << 20
@@ -52,22 +56,37 @@ class HandshakeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class HandshakePayload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Everything a peer needs to reach one engine rank's KV blocks over NIXL."""
+    """Everything a peer needs to reach one engine rank's KV blocks over NIXL.
+
+    `geometry` carries the rank's KV shape: layers, KV heads, head dim, dtype bytes, block size
+    (tokens), number of blocks, TP size and rank, K/V split, MLA and page layout (HND/NHD); it
+    is validated as it is decoded. `base_addresses` and `block_lens` have one entry per region.
+    """
 
     engine_id: str
     agent: str
-    rank: int
-    tp_size: int
     agent_metadata: bytes
-    base_address: int
-    num_blocks: int
-    block_bytes: int
-    kv_layout: str
-    block_size: int
-    """Tokens per block (may differ between the two sides; see `validate`)."""
+    geometry: KvGeometry
+    base_addresses: tuple[int, ...]
+    block_lens: tuple[int, ...]
     mode: str
     wire_version: int
     compat_hash: str
+    device: int = 0
+
+    @property
+    def rank(self) -> int:
+        """The rank's place in its engine's TP group."""
+        return self.geometry.tp_rank
+
+    @property
+    def tp_size(self) -> int:
+        """The size of its engine's TP group."""
+        return self.geometry.tp_size
+
+    def layout(self) -> RegionLayout:
+        """Where the rank's regions are; ValueError if they are inconsistent."""
+        return RegionLayout(self.geometry, self.base_addresses, self.device)
 
 
 class HandshakeAccepted(
@@ -132,21 +151,39 @@ def decode_reply(data: bytes) -> HandshakeReply:
 
 
 def compat_hash(
-    *,
-    wire_version: int,
-    mode: str,
-    model: str,
-    dtype: str,
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
+    *, wire_version: int, mode: str, model: str, dtype: str, geometry: KvGeometry
 ) -> str:
-    """The sha256 (hex) of what must be equal on both sides for their KV blocks to be exchangeable.
+    """The sha256 (hex) of what must be equal on both sides for their KV blocks to be exchangeable:
+    the wire version, the mode, the model's identity and dtype, and its layer/head geometry.
 
-    `num_kv_heads` is the model's total (not per TP rank): TP sizes may differ between the sides,
-    as may block sizes; those travel in the payload and are checked by `validate`.
+    `geometry.num_kv_heads` is the model's total (not per TP rank): TP sizes, block sizes, block
+    counts and the K/V split may differ between the sides; they travel in the payload and are
+    checked by `validate`.
     """
+    g = geometry
     # A fixed-order msgpack array of plain values encodes identically everywhere; the leading
     # label keeps these hashes apart from any other sha256 of similar-looking data.
-    fields = ["kvfsm-compat", wire_version, mode, model, dtype, num_layers, num_kv_heads, head_dim]
+    fields = [
+        "kvfsm-compat/2", wire_version, mode, model, dtype, g.num_layers, g.num_kv_heads,
+        g.head_dim, g.dtype_bytes, g.mla, g.kv_layout,
+    ]  # fmt: skip
     return hashlib.sha256(_encoder.encode(fields)).hexdigest()
+
+
+def payload_of(engine: Engine, *, compat_hash: str, wire_version: int) -> HandshakePayload:
+    """The handshake payload of an engine rank (built on the thread that owns its fabric, once its
+    memory is registered: NIXL's metadata is a snapshot)."""
+    layout = engine.kv.layout
+    g = layout.geometry
+    return HandshakePayload(
+        engine_id=engine.side.identity.engine_id,
+        agent=engine.agent,
+        agent_metadata=engine.fabric.get_agent_metadata(),
+        geometry=g,
+        base_addresses=layout.base_addresses,
+        block_lens=(g.block_len,) * g.num_regions,
+        mode=engine.side.mode,
+        wire_version=wire_version,
+        compat_hash=compat_hash,
+        device=layout.device,
+    )

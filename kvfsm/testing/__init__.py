@@ -1,8 +1,16 @@
 """Public test tools: a simulated P/D cluster with the safety properties checked, the hypothesis
-state machine over it, and the transition coverage report."""
+state machine over it, the transition coverage report, and recognisable KV contents checkable on
+any rank of any geometry."""
 
-from kvfsm.testing._cluster import FAST_CONFIG, PairedRequest, SimCluster
+from kvfsm.testing._cluster import (
+    FAST_CONFIG,
+    SIM_GEOMETRY,
+    SIM_MLA_GEOMETRY,
+    PairedRequest,
+    SimCluster,
+)
 from kvfsm.testing._invariants import COVERAGE, Conformance, Ledger, untaken_transitions
+from kvfsm.testing._pattern import PatternCheck, check_request, request_seed, write_request
 from kvfsm.testing._stateful import LifecycleMachine, machine_for
 from kvfsm.testing._tour import SCENARIOS, run_tour
 
@@ -10,12 +18,18 @@ __all__ = [
     "COVERAGE",
     "FAST_CONFIG",
     "SCENARIOS",
+    "SIM_GEOMETRY",
+    "SIM_MLA_GEOMETRY",
     "Conformance",
     "Ledger",
     "LifecycleMachine",
     "PairedRequest",
+    "PatternCheck",
     "SimCluster",
+    "check_request",
     "machine_for",
+    "request_seed",
     "run_tour",
     "untaken_transitions",
+    "write_request",
 ]

@@ -30,11 +30,21 @@ from kvfsm.core import (
     agent_name,
 )
 from kvfsm.fabric import SimFaults, SimNetwork
-from kvfsm.layout import BlockLayout
-from kvfsm.runtime import CallerOutput, Engine, LocalDirectory
+from kvfsm.layout import KvGeometry
+from kvfsm.runtime import CallerOutput, Engine, KvCache, LocalDirectory
 from kvfsm.testing._invariants import Conformance, Ledger
+from kvfsm.testing._pattern import request_seed, write_request
 
-__all__ = ["FAST_CONFIG", "PairedRequest", "SimCluster"]
+__all__ = ["FAST_CONFIG", "SIM_GEOMETRY", "SIM_MLA_GEOMETRY", "PairedRequest", "SimCluster"]
+
+SIM_GEOMETRY = KvGeometry(
+    num_layers=2, num_kv_heads=4, head_dim=4, dtype_bytes=2, block_size=4, num_blocks=64
+)
+"""A small model: every TP size up to 4 splits its heads, and a block is 512 bytes on TP 1."""
+SIM_MLA_GEOMETRY = KvGeometry(
+    num_layers=2, num_kv_heads=1, head_dim=16, dtype_bytes=2, block_size=4, num_blocks=64, mla=True
+)
+"""A small model with MLA: one latent KV replicated on every TP rank, 256 bytes per block."""
 
 FAST_CONFIG = CoreConfig(
     lease_s=2.0,
@@ -72,18 +82,31 @@ class SimCluster:
         faults: SimFaults | None = None,
         config: CoreConfig = FAST_CONFIG,
         num_blocks: int = 64,
-        block_bytes: int = 64,
+        geometry: KvGeometry = SIM_GEOMETRY,
+        d_block_size: int | None = None,
         p_tp: int = 1,
         d_tp: int = 1,
         conformance: bool = True,
         handshake_latency: float = 1e-3,
         trace: bool = True,
     ) -> None:
+        """P's ranks use `geometry` (with `num_blocks`), D's the same with `d_block_size` tokens
+        per block (default: P's; it must be a multiple of P's)."""
         self.mode: Mode = mode
         self.config = config
         self.network = SimNetwork(seed, faults)
         self.directory = LocalDirectory(lambda: self.network.now, handshake_latency)
-        self.layout = BlockLayout(num_blocks, block_bytes)
+        base = msgspec.structs.replace(geometry, num_blocks=num_blocks)
+        d_bs = d_block_size or geometry.block_size
+        if d_bs % geometry.block_size:
+            raise ValueError(
+                f"D's block size {d_bs} must be a multiple of P's {geometry.block_size}"
+            )
+        self.geometry = {
+            "P": msgspec.structs.replace(base, tp_size=p_tp),
+            "D": msgspec.structs.replace(base, tp_size=d_tp, block_size=d_bs),
+        }
+        self.unit_tokens = min(geometry.block_size, d_bs)
         self.rng = random.Random(seed)
         self.p_tp, self.d_tp = p_tp, d_tp
         self.conformance = Conformance() if conformance else None
@@ -120,9 +143,9 @@ class SimCluster:
         if self.conformance is not None:
             core.set_recorder(self.conformance.record)
         fabric = self.network.revive(agent) if agent in self.engines else self.network.agent(agent)
-        kv = np.zeros(self.layout.nbytes, dtype=np.uint8)
+        kv = KvCache.allocate(self.geometry[side].for_rank(rank))
         view = self.directory.view()
-        engine = Engine(core, fabric, kv, self.layout, view, lambda: self.network.now)
+        engine = Engine(core, fabric, kv, view, lambda: self.network.now)
         self.engines[agent] = engine
         self.directory.publish(agent, engine.info)
         self.dead.discard(agent)
@@ -151,19 +174,27 @@ class SimCluster:
 
     def admit(self, key: str, n_blocks: int, d_cached: int = 0, d_first: bool = False,
               same_id: bool = False) -> PairedRequest:  # fmt: skip
-        """Admit a request on every rank of both sides; D already holds `d_cached` blocks."""
+        """Admit a request of `n_blocks` P blocks on every rank of both sides; D already holds
+        the first `d_cached` of its blocks (a prefix-cache hit)."""
         suffix = f"{self.rng.getrandbits(32):08x}"
         p_id = f"{key}-{suffix}"
         d_id = p_id if same_id else f"{key}-{self.rng.getrandbits(32):08x}"
+        d_total = -(-n_blocks // self.block_ratio)
         pr = PairedRequest(
-            key, p_id, d_id, self._alloc("P", n_blocks), self._alloc("D", n_blocks - d_cached)
-        )
+            key, p_id, d_id, self._alloc("P", n_blocks),
+            self._alloc("D", d_total - min(d_cached, d_total)),
+        )  # fmt: skip
         self.requests[key] = pr
         self.ledger.admitted(pr)
         order = (self._admit_d, self._admit_p) if d_first else (self._admit_p, self._admit_d)
         for admit in order:
             admit(pr)
         return pr
+
+    @property
+    def block_ratio(self) -> int:
+        """Tokens in a D block per token in a P block."""
+        return self.geometry["D"].block_size // self.geometry["P"].block_size
 
     def _admit_p(self, pr: PairedRequest) -> None:
         for engine in self.live("P"):
@@ -212,16 +243,8 @@ class SimCluster:
             self.engines[agent].submit(NotificationReceived("stranger#0", payload))
             self.collect()
 
-    def pattern(self, pr: PairedRequest, blocks: np.ndarray) -> np.ndarray:
-        """The bytes P's prefill writes into `blocks` of request `pr`."""
-        seed = sum(pr.p_id.encode())
-        row = (np.arange(self.layout.block_bytes, dtype=np.uint32) * 31 + seed).astype(np.uint8)
-        ids = (blocks.astype(np.uint32) * 7 + 1).astype(np.uint8)
-        return row[None, :] ^ ids[:, None]
-
     def _fill(self, engine: Engine, pr: PairedRequest) -> None:
-        kv = engine.kv.reshape(self.layout.num_blocks, self.layout.block_bytes)
-        kv[pr.p_blocks] = self.pattern(pr, pr.p_blocks)
+        write_request(engine.kv, request_seed(pr.p_id), pr.p_blocks, unit_tokens=self.unit_tokens)
 
     # --- time and outputs ------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ import numpy as np
 from kvfsm.core import ReportReceived, Step
 from kvfsm.fabric import FabricError
 from kvfsm.lifecycle import MODEL_NAMES, load
+from kvfsm.testing._pattern import check_request, request_seed
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -210,16 +211,21 @@ class Ledger:
         self._received.add((agent, pr.key))
         if (agent, pr.key) in self._failed:
             self._violate(f"no silent corruption: {agent} reported {pr.key} failed, then received")
-        n = len(pr.d_blocks)
-        if n == 0:
+        if not len(pr.d_blocks):
             return
-        layout = self.cluster.layout
-        kv = self.cluster.engines[agent].kv.reshape(layout.num_blocks, layout.block_bytes)
-        expected = self.cluster.pattern(pr, pr.p_blocks[len(pr.p_blocks) - n :])
-        if not np.array_equal(kv[pr.d_blocks], expected):
+        cluster = self.cluster
+        p_bs = cluster.geometry["P"].block_size
+        d_bs = cluster.geometry["D"].block_size
+        tokens = len(pr.p_blocks) * p_bs
+        first = (-(-tokens // d_bs) - len(pr.d_blocks)) * d_bs  # D's prefix-cache hit
+        check = check_request(
+            cluster.engines[agent].kv, request_seed(pr.p_id), pr.d_blocks,
+            unit_tokens=cluster.unit_tokens, first_token=first, tokens=tokens - first,
+        )  # fmt: skip
+        if check.wrong or not check.compared:
             self._violate(f"no silent corruption: {agent} received wrong bytes for {pr.key}")
         else:
-            self.verified_bytes += expected.nbytes
+            self.verified_bytes += check.compared
 
     def _maybe_free(self, pr: PairedRequest) -> None:
         owed = self._owed.get(pr.key)
@@ -236,9 +242,8 @@ class Ledger:
         then brings bytes that fail the integrity check."""
         if side != "P" or not len(blocks):
             return
-        layout = self.cluster.layout
         for engine in self.cluster.live("P"):
-            engine.kv.reshape(layout.num_blocks, layout.block_bytes)[blocks] = 0xEE
+            engine.kv.fill_blocks(blocks, 0xEE)
 
     def _violate(self, message: str) -> None:
         self.violations.append(message)

@@ -10,7 +10,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvfsm.core import Mode
 from kvfsm.fabric import SimFaults
-from kvfsm.testing._cluster import SimCluster
+from kvfsm.layout import KvGeometry
+from kvfsm.testing._cluster import SIM_GEOMETRY, SimCluster
 
 __all__ = ["LifecycleMachine", "machine_for"]
 
@@ -37,13 +38,16 @@ class LifecycleMachine(RuleBasedStateMachine):
     p_tp: ClassVar[int] = 1
     d_tp: ClassVar[int] = 1
     faults: ClassVar[SimFaults | None] = None
+    geometry: ClassVar[KvGeometry] = SIM_GEOMETRY
+    d_block_size: ClassVar[int | None] = None
     examples_run: ClassVar[int] = 0  # over every machine, for the coverage check
 
     def __init__(self) -> None:
         super().__init__()
         self.cluster = SimCluster(
-            self.mode, p_tp=self.p_tp, d_tp=self.d_tp, faults=self.faults, num_blocks=24
-        )
+            self.mode, p_tp=self.p_tp, d_tp=self.d_tp, faults=self.faults, num_blocks=24,
+            geometry=self.geometry, d_block_size=self.d_block_size,
+        )  # fmt: skip
         self.count = 0
         self.agents = self.cluster.agents("P") + self.cluster.agents("D")
 
@@ -166,9 +170,20 @@ class LifecycleMachine(RuleBasedStateMachine):
 
 
 def machine_for(
-    mode: Mode, p_tp: int = 1, d_tp: int = 1, faults: SimFaults | None = None
+    mode: Mode,
+    p_tp: int = 1,
+    d_tp: int = 1,
+    faults: SimFaults | None = None,
+    *,
+    geometry: KvGeometry = SIM_GEOMETRY,
+    d_block_size: int | None = None,
 ) -> type[LifecycleMachine]:
-    """A `LifecycleMachine` subclass for one mode, TP pair and background fault mix."""
-    name = f"LifecycleMachine_{mode}_{p_tp}x{d_tp}"
-    attrs = {"mode": mode, "p_tp": p_tp, "d_tp": d_tp, "faults": faults}
+    """A `LifecycleMachine` subclass for one mode, TP pair, background fault mix, model geometry
+    (e.g. replicated MLA KV) and D block size (a multiple of the geometry's)."""
+    name = f"LifecycleMachine_{mode}_{p_tp}x{d_tp}" + ("_mla" if geometry.mla else "")
+    name += f"_d{d_block_size}" if d_block_size else ""
+    attrs = {
+        "mode": mode, "p_tp": p_tp, "d_tp": d_tp, "faults": faults, "geometry": geometry,
+        "d_block_size": d_block_size,
+    }  # fmt: skip
     return type(name, (LifecycleMachine,), attrs)

@@ -104,6 +104,16 @@ def p_dies_mid_transfer(mode: Mode) -> SimCluster:
     return c
 
 
+def d_replaced_mid_transfer(mode: Mode) -> SimCluster:
+    """D goes silent mid-transfer and a new process takes its place: P learns that D is lost
+    while its WRITE is still in flight (push), and the WRITE's end decides the request."""
+    c = _mid_transfer(mode)
+    c.kill("D#0", reset=False)
+    c.revive("D#0")
+    c.step(1e-3)  # P polls before the WRITE's own end
+    return c
+
+
 def d_dies_while_p_drains(mode: Mode) -> SimCluster:
     """D's host resets while P drains an aborted transfer."""
     c = _mid_transfer(mode)
@@ -238,6 +248,7 @@ def peer_lost_while_p_drains(mode: Mode) -> SimCluster:
     c.abort("r", "P")
     c.kill("D#0", reset=False)
     c.revive("D#0")
+    c.step(1e-3)  # P polls before the WRITE's own end
     return c
 
 
@@ -343,6 +354,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     p_aborts_stuck,
     p_aborts_failing,
     p_dies_mid_transfer,
+    d_replaced_mid_transfer,
     d_dies_while_p_drains,
     handshake_hangs,
     p_cannot_reach_d,

@@ -8,7 +8,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvfsm.layout import BlockLayout, BlockSlice, KvGeometry, RegionLayout, slice_ids
+from kvfsm.layout import BlockSlice, KvGeometry, RegionLayout, slice_ids
 
 # 2 layers, 2 heads of 4 dims, fp16, 2 tokens per block, 3 blocks.
 # One head in one block: 2 tokens * 4 dims * 2 bytes = 16 bytes.
@@ -136,8 +136,3 @@ def test_sixty_four_thousand_ids_by_broadcasting() -> None:
     assert ids[1000] == 4000 + blocks[0] and ids[-1] == 63 * 4000 + blocks[-1]
     rows = layout.descriptors()[ids]
     assert rows.shape == (64_000, 3)
-
-
-def test_block_layout_is_unchanged() -> None:
-    rows = BlockLayout(num_blocks=3, block_bytes=8).descriptors(100)
-    np.testing.assert_array_equal(rows, [[100, 8, 0], [108, 8, 0], [116, 8, 0]])

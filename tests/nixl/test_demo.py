@@ -1,5 +1,6 @@
-"""`kvfsm demo --fabric nixl` as a user runs it: P and D in separate processes over real NIXL,
-the handshake over ZMQ on loopback, every byte checked."""
+"""P and D in separate processes (one per TP rank) over real NIXL, handshakes over ZMQ on loopback,
+every byte checked: the TP pairs, replicated (MLA) KV and a P block size smaller than D's, in push
+and pull; and `kvfsm demo` as a user runs it."""
 
 from __future__ import annotations
 
@@ -11,25 +12,65 @@ from pathlib import Path
 import pytest
 
 from kvfsm._nixl_demo import run_nixl_demo
+from kvfsm.core import Mode
+
+# (P TP, D TP, model, P block size, D block size)
+_SETUPS = [
+    (1, 1, "tiny", 16, 16),
+    (2, 1, "tiny", 16, 16),
+    (1, 2, "tiny", 16, 16),
+    (2, 4, "tiny", 16, 16),
+    (4, 2, "tiny", 16, 16),
+    (2, 1, "deepseek-v2-lite", 16, 16),  # replicated KV: D reads/receives one copy
+    (1, 2, "deepseek-v2-lite", 16, 16),  # replicated KV: every D rank gets a whole copy
+    (1, 1, "tiny", 16, 32),  # P's blocks half the size of D's
+    (2, 1, "tiny", 8, 32),
+]
+_REQUESTS = 12
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
-def test_two_processes_move_verified_kv(mode: str) -> None:
-    report = run_nixl_demo(mode, 12, seed=1, memory_mib=64)  # type: ignore[arg-type]
-    assert report.fabric == "nixl" and report.requests == report.done == 12
-    assert report.failed == report.expired == report.aborted == 0
-    assert report.verified and report.violations == []
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp", "model", "p_bs", "d_bs"),
+    _SETUPS,
+    ids=[f"{m}-tp{p}to{d}-bs{pb}to{db}" for p, d, m, pb, db in _SETUPS],
+)
+def test_separate_processes_move_verified_kv(
+    mode: Mode, p_tp: int, d_tp: int, model: str, p_bs: int, d_bs: int
+) -> None:
+    report = run_nixl_demo(
+        mode, _REQUESTS, seed=p_tp * 10 + d_tp, p_tp=p_tp, d_tp=d_tp, model=model,
+        p_block_size=p_bs, d_block_size=d_bs, memory_mib=8,
+    )  # fmt: skip
+    assert report.violations == []
+    assert report.requests == report.done == _REQUESTS and report.verified
+    assert report.finals == {"P:done": _REQUESTS * p_tp, "D:done": _REQUESTS * d_tp}
     assert report.bytes > 0 and report.handoff_ms_p99 >= report.handoff_ms_p50 > 0
-    assert report.finals == {"P:done": 12, "D:done": 12}
+    # Which ranks post: every rank pair that shares heads moves its slice once; with replicated
+    # KV each D rank gets exactly one copy and the other P ranks only send a notification.
+    pairs = d_tp if model == "deepseek-v2-lite" else max(p_tp, d_tp)
+    assert report.counters["posted"] == _REQUESTS * pairs
+    assert report.descriptors == report.counters["descriptors"] > 0
 
 
 def test_cli_default_is_the_real_fabric() -> None:
     exe = Path(sys.executable).parent / "kvfsm"
     result = subprocess.run(
-        [str(exe), "demo", "--requests", "6", "--json"],
+        [str(exe), "demo", "--requests", "6", "--memory-mib", "32", "--json"],
         capture_output=True, text=True, check=False, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout)
-    assert report["fabric"] == "nixl" and report["done"] == 6 and report["verified"] is True
+    assert report["fabric"] == "nixl" and report["model"] == "llama3-8b"
+    assert report["done"] == 6 and report["verified"] is True
     assert {"gbps", "handoff_ms_p50", "handoff_ms_p99"} <= report.keys()
+
+
+def test_cli_refuses_a_tp_size_that_does_not_split_the_heads() -> None:
+    exe = Path(sys.executable).parent / "kvfsm"
+    result = subprocess.run(
+        [str(exe), "demo", "--model", "tiny", "--d-tp", "3", "--requests", "1"],
+        capture_output=True, text=True, check=False, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "num_kv_heads=8 is not divisible by tp_size=3" in result.stderr

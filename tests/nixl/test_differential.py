@@ -23,10 +23,13 @@ from kvfsm.core import (
     ReportReceived,
 )
 from kvfsm.fabric import Fabric, NixlFabric, SimNetwork
-from kvfsm.layout import BlockLayout
-from kvfsm.runtime import Engine, LocalDirectory
+from kvfsm.layout import KvGeometry
+from kvfsm.runtime import Engine, KvCache, LocalDirectory
+from kvfsm.testing import request_seed, write_request
 
-_LAYOUT = BlockLayout(32, 1024)
+_GEOMETRY = KvGeometry(
+    num_layers=2, num_kv_heads=2, head_dim=32, dtype_bytes=2, block_size=4, num_blocks=32
+)
 _names = itertools.count()
 
 # (key, P blocks, D blocks, what happens): D blocks fewer than P's = a partial prefix-cache hit.
@@ -56,8 +59,8 @@ class _World:
         directory = LocalDirectory(clock)
         self.engines: list[Engine] = []
         for side in (Producer(Identity(self.p_name), mode), Consumer(Identity(f"D{n}"), mode)):
-            kv = np.zeros(_LAYOUT.nbytes, dtype=np.uint8)
-            engine = Engine(side, make(side.identity.agent), kv, _LAYOUT, directory.view(), clock)
+            kv = KvCache.allocate(_GEOMETRY)
+            engine = Engine(side, make(side.identity.agent), kv, directory.view(), clock)
             directory.publish(engine.agent, engine.info)
             self.engines.append(engine)
         self.finals: dict[str, str] = {}
@@ -74,8 +77,12 @@ class _World:
                     if isinstance(out, Finished):
                         self.finals[out.request_id] = out.state
                     elif isinstance(out, ReportReceived):
-                        kv = engine.kv.reshape(_LAYOUT.num_blocks, _LAYOUT.block_bytes)
-                        self.received[out.request_id] = kv[out.blocks].tobytes()
+                        regions = engine.kv.regions()
+                        g = engine.kv.geometry
+                        self.received[out.request_id] = b"".join(
+                            r.reshape(g.num_blocks, g.block_len)[out.blocks].tobytes()
+                            for r in regions
+                        )
 
     def close(self) -> None:
         for engine in self.engines:
@@ -87,10 +94,10 @@ def _run(mode: Mode, fabric: str) -> tuple[dict[str, str], dict[str, bytes]]:
     world = _World(mode, fabric)
     p, d = world.engines
     try:
-        for i, (key, p_blocks, d_blocks, what) in enumerate(_SCRIPT):
+        for key, p_blocks, d_blocks, what in _SCRIPT:
             pid, did = f"{key}-0000000a", f"{key}-0000000b"
             pb, db = np.array(p_blocks, dtype=np.int32), np.array(d_blocks, dtype=np.int32)
-            p.kv.reshape(32, 1024)[pb] = (np.arange(len(pb) * 1024) % 251 + i).reshape(-1, 1024)
+            write_request(p.kv, request_seed(key), pb, unit_tokens=4)
             p.submit(Admit(pid, pb))
             if what.startswith("abort P"):
                 p.submit(Abort(pid))

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+import msgspec
 import numpy as np
 import pytest
 import zmq
@@ -28,12 +29,15 @@ from kvfsm.core import (
     ReportReceived,
 )
 from kvfsm.fabric import NixlFabric
-from kvfsm.layout import BlockLayout
-from kvfsm.runtime import Engine
-from kvfsm.sidechannel import HandshakeListener, HandshakePayload, ZmqDirectory
+from kvfsm.layout import KvGeometry
+from kvfsm.runtime import Engine, KvCache
+from kvfsm.sidechannel import HandshakeListener, HandshakePayload, ZmqDirectory, payload_of
+from kvfsm.testing import check_request, request_seed, write_request
 
 _HASH, _WIRE = "test-hash", 1
-_LAYOUT = BlockLayout(16, 4096)
+_GEOMETRY = KvGeometry(
+    num_layers=2, num_kv_heads=2, head_dim=64, dtype_bytes=2, block_size=8, num_blocks=16
+)
 _ids = itertools.count()
 
 
@@ -45,20 +49,14 @@ def _free_port() -> int:
 
 def _engine(side: str, name: str, mode: Mode, addresses: dict[str, tuple[str, int]]) -> Engine:
     core = (Producer if side == "P" else Consumer)(Identity(name), mode)
-    kv = np.zeros(_LAYOUT.nbytes, dtype=np.uint8)
+    kv = KvCache.allocate(_GEOMETRY)
     directory = ZmqDirectory(addresses, compat_hash=_HASH, wire_version=_WIRE, timeout_s=0.5)
-    return Engine(core, NixlFabric(core.identity.agent), kv, _LAYOUT, directory, time.monotonic)
+    return Engine(core, NixlFabric(core.identity.agent), kv, directory, time.monotonic)
 
 
 def _payload(engine: Engine, **changes: object) -> HandshakePayload:
-    fields: dict[str, object] = dict(
-        engine_id=engine.side.identity.engine_id, agent=engine.agent, rank=0, tp_size=1,
-        agent_metadata=engine.fabric.get_agent_metadata(), base_address=int(engine.kv.ctypes.data),
-        num_blocks=_LAYOUT.num_blocks, block_bytes=_LAYOUT.block_bytes, kv_layout="blocks",
-        block_size=16, mode=engine.side.mode, wire_version=_WIRE, compat_hash=_HASH,
-    )  # fmt: skip
-    fields.update(changes)
-    return HandshakePayload(**fields)  # type: ignore[arg-type]
+    payload = payload_of(engine, compat_hash=_HASH, wire_version=_WIRE)
+    return msgspec.structs.replace(payload, **changes)
 
 
 def _raw_server(answer: Callable[[list[bytes]], list[bytes] | None]) -> Iterator[int]:
@@ -130,7 +128,7 @@ def test_handshake_failure_fails_the_request_and_the_engine_goes_on(
             bad = {
                 "hash mismatch": {"compat_hash": "another-model"},
                 "wrong engine": {"engine_id": "X", "agent": "X#0"},
-                "geometry": {"num_blocks": 0},
+                "geometry": {"block_lens": (1, 1)},
             }[failure]
             bad_listener = HandshakeListener({p.agent: _payload(p, **bad)}.get)
             servers.append(iter([]))
@@ -150,17 +148,16 @@ def test_handshake_failure_fails_the_request_and_the_engine_goes_on(
             return any(isinstance(o, Finished) for o in outputs)
 
         _run([d], ended)
-        assert [type(o).__name__ for o in outputs] == ["ReportFailed", "ReleaseBlocks", "Finished"]
+        names = [type(o).__name__ for o in outputs]
+        assert names == ["ReportFailed", "ReleaseBlocks", "Finished", "RequestTrace"]
         assert isinstance(outputs[0], ReportFailed) and list(outputs[0].blocks) == [1, 2]
-        assert outputs[-1].state == "failed"  # type: ignore[attr-defined]
+        assert outputs[2].state == "failed"  # type: ignore[attr-defined]
         assert d.counters["handshake_failed"] == 1
 
         # The engine keeps serving: P is reachable now, the next request moves verified bytes.
         addresses[p.agent] = ("127.0.0.1", listener.port)
         p_blocks = np.array([5, 6], dtype=np.int32)
-        p.kv.reshape(16, 4096)[p_blocks] = (
-            np.arange(2 * 4096, dtype=np.uint32).reshape(2, 4096) % 251
-        )
+        write_request(p.kv, request_seed("r2"), p_blocks, unit_tokens=8)
         p.submit(Admit("r2-0000000a", p_blocks))
         p.submit(PrefillFinished("r2-0000000a", p_blocks))
         d.submit(Admit("r2-0000000b", np.array([3, 4], dtype=np.int32), p_name, 1, ""))
@@ -173,7 +170,10 @@ def test_handshake_failure_fails_the_request_and_the_engine_goes_on(
         _run([p, d], both_done)
         assert [o.state for o in got if isinstance(o, Finished)] == ["done"]  # type: ignore[attr-defined]
         assert any(isinstance(o, ReportReceived) for o in got)
-        assert np.array_equal(d.kv.reshape(16, 4096)[[3, 4]], p.kv.reshape(16, 4096)[p_blocks])
+        check = check_request(
+            d.kv, request_seed("r2"), [3, 4], unit_tokens=8, first_token=0, tokens=16
+        )
+        assert check.compared == 2 * d.kv.block_bytes and check.wrong == 0
     finally:
         if failure in ("hash mismatch", "wrong engine", "geometry"):
             bad_listener.close()

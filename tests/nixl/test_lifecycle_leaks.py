@@ -10,10 +10,12 @@ import numpy as np
 
 from kvfsm.core import Admit, Consumer, Finished, Identity, PrefillFinished, Producer, Shutdown
 from kvfsm.fabric import NixlFabric
-from kvfsm.layout import BlockLayout
-from kvfsm.runtime import Engine, LocalDirectory
+from kvfsm.layout import KvGeometry
+from kvfsm.runtime import Engine, KvCache, LocalDirectory
 
-_LAYOUT = BlockLayout(4, 4096)
+_GEOMETRY = KvGeometry(
+    num_layers=2, num_kv_heads=2, head_dim=64, dtype_bytes=2, block_size=8, num_blocks=4
+)
 _names = itertools.count()
 
 
@@ -21,9 +23,8 @@ def _cycle(n: int) -> list[dict[str, int]]:
     directory = LocalDirectory(time.monotonic)
     engines = []
     for side in (Producer(Identity(f"P{n}"), "push"), Consumer(Identity(f"D{n}"), "push")):
-        kv = np.zeros(_LAYOUT.nbytes, dtype=np.uint8)
         fabric = NixlFabric(side.identity.agent)
-        engine = Engine(side, fabric, kv, _LAYOUT, directory.view(), time.monotonic)
+        engine = Engine(side, fabric, KvCache.allocate(_GEOMETRY), directory.view(), time.monotonic)
         directory.publish(engine.agent, engine.info)
         engines.append(engine)
     p, d = engines

@@ -9,10 +9,20 @@ import time
 import numpy as np
 import pytest
 
-from kvfsm.core import Admit, Consumer, Finished, Identity, Mode, PrefillFinished, Producer
+from kvfsm.core import (
+    Admit,
+    Consumer,
+    Finished,
+    Identity,
+    Mode,
+    PrefillFinished,
+    Producer,
+    ReportReceived,
+)
 from kvfsm.fabric import NixlFabric, NotFoundError
-from kvfsm.layout import BlockLayout
-from kvfsm.runtime import Engine, LocalDirectory
+from kvfsm.layout import KvGeometry
+from kvfsm.runtime import Engine, KvCache, LocalDirectory, RequestTrace
+from kvfsm.testing import PatternCheck, check_request, request_seed, write_request
 
 _names = itertools.count()
 _TIMEOUT = 20.0  # the first UCX connection can be slow; every wait here is bounded
@@ -88,32 +98,32 @@ def test_register_refuses_what_is_not_a_byte_buffer(pair: tuple[NixlFabric, Nixl
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_engines_move_verified_kv_over_real_nixl(mode: Mode) -> None:
     """P and D engines, real agents, a handshake through the directory, 20 requests; every byte
-    D reports received equals what P's prefill wrote; every block is released once."""
+    D reports received holds what P's prefill wrote; every request ends with a trace of its
+    bytes and descriptors, NIXL's telemetry included."""
     n = next(_names)
     directory = LocalDirectory(time.monotonic)
-    layout = BlockLayout(64, 2048)
+    geometry = KvGeometry(
+        num_layers=2, num_kv_heads=2, head_dim=64, dtype_bytes=2, block_size=4, num_blocks=64
+    )
     engines = {}
     for side in (Producer(Identity(f"P{n}"), mode), Consumer(Identity(f"D{n}"), mode)):
-        kv = np.zeros(layout.nbytes, dtype=np.uint8)
         fabric = NixlFabric(side.identity.agent)
-        engine = Engine(side, fabric, kv, layout, directory.view(), time.monotonic)
+        engine = Engine(side, fabric, KvCache.allocate(geometry), directory.view(), time.monotonic)
         directory.publish(engine.agent, engine.info)
         engines[side.side] = engine
     p, d = engines["P"], engines["D"]
     rng = np.random.default_rng(0)
     finished: dict[str, str] = {}
-    received: dict[str, np.ndarray] = {}
+    traces: dict[str, RequestTrace] = {}
+    checks: dict[str, PatternCheck] = {}
     try:
         for i in range(20):
             blocks = rng.choice(64, size=int(rng.integers(1, 4)), replace=False).astype(np.int32)
-            p.kv.reshape(64, 2048)[blocks] = rng.integers(
-                0, 256, (len(blocks), 2048), dtype=np.uint8
-            )
+            write_request(p.kv, request_seed(f"r{i}"), blocks, unit_tokens=4)
             pid, did = f"r{i}-0000000a", f"r{i}-0000000b"
             p.submit(Admit(pid, blocks))
             p.submit(PrefillFinished(pid, blocks))
             d.submit(Admit(did, blocks, f"P{n}", 1, pid if mode == "pull" else ""))
-            expected = p.kv.reshape(64, 2048)[blocks].copy()
             deadline = time.monotonic() + _TIMEOUT
             while (pid not in finished or did not in finished) and time.monotonic() < deadline:
                 for engine in (p, d):
@@ -121,10 +131,21 @@ def test_engines_move_verified_kv_over_real_nixl(mode: Mode) -> None:
                     for out in engine.take_outputs():
                         if isinstance(out, Finished):
                             finished[out.request_id] = out.state
-                        elif type(out).__name__ == "ReportReceived":
-                            received[out.request_id] = d.kv.reshape(64, 2048)[out.blocks].copy()
+                        elif isinstance(out, RequestTrace):
+                            traces[out.request_id] = out
+                        elif isinstance(out, ReportReceived):
+                            checks[out.request_id] = check_request(
+                                d.kv, request_seed(f"r{i}"), out.blocks, unit_tokens=4,
+                                first_token=0, tokens=4 * len(blocks),
+                            )  # fmt: skip
             assert finished.get(pid) == "done" and finished.get(did) == "done", (i, finished)
-            assert np.array_equal(received[did], expected)
+            assert checks[did] == (len(blocks) * d.kv.block_bytes, 0)
+            poster = traces[pid] if mode == "push" else traces[did]
+            stats = poster.stats
+            assert stats.transfers == 1 and stats.bytes == len(blocks) * p.kv.block_bytes
+            assert stats.descriptors == 2 * len(blocks)  # one per block per layer
+            assert 1 <= stats.fabric_descriptors <= stats.descriptors and stats.xfer_us >= 0
+            assert set(poster.time_in_state_s) >= {"allocated"}
         assert not p.side.requests and not d.side.requests
         assert not p.inflight and not d.inflight
     finally:

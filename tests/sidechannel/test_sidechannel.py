@@ -14,7 +14,7 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvfsm.layout import BlockLayout
+from kvfsm.layout import KvGeometry
 from kvfsm.runtime import HandshakeError, PeerInfo
 from kvfsm.sidechannel import (
     MAX_HANDSHAKE_BYTES,
@@ -36,30 +36,25 @@ from kvfsm.sidechannel import (
 
 HOST = "127.0.0.1"
 WIRE = 1
+GEOMETRY = KvGeometry(
+    num_layers=32, num_kv_heads=8, head_dim=128, dtype_bytes=2, block_size=16, num_blocks=1024,
+    tp_size=2,
+)  # fmt: skip
 HASH = compat_hash(
-    wire_version=WIRE,
-    mode="push",
-    model="llama-3-8b",
-    dtype="bfloat16",
-    num_layers=32,
-    num_kv_heads=8,
-    head_dim=128,
+    wire_version=WIRE, mode="push", model="llama-3-8b", dtype="bfloat16", geometry=GEOMETRY
 )
 SAFETY_S = 10.0  # bounds every wait in this file; never reached when things work
 
 
 def _payload(engine_id: str = "prefill", rank: int = 0, **changes: object) -> HandshakePayload:
+    g = GEOMETRY.for_rank(rank)
     base = HandshakePayload(
         engine_id=engine_id,
         agent=f"{engine_id}#{rank}",
-        rank=rank,
-        tp_size=2,
         agent_metadata=b"nixl-metadata-" + engine_id.encode(),
-        base_address=0x7F0000000000 + rank,
-        num_blocks=1024,
-        block_bytes=65536,
-        kv_layout="NHD",
-        block_size=16,
+        geometry=g,
+        base_addresses=tuple(0x7F0000000000 + (rank * 64 + i) * g.region_bytes for i in range(32)),
+        block_lens=(g.block_len,) * 32,
         mode="push",
         wire_version=WIRE,
         compat_hash=HASH,
@@ -144,21 +139,27 @@ def test_codec_round_trips_and_rejects_garbage() -> None:
         decode_request(encode(HandshakeRequest("", WIRE, HASH)))
 
 
-def test_compat_hash_is_stable_and_covers_every_field() -> None:
+def test_compat_hash_is_stable_and_covers_what_must_be_equal() -> None:
     fields: dict[str, object] = {
-        "wire_version": WIRE,
-        "mode": "push",
-        "model": "llama-3-8b",
-        "dtype": "bfloat16",
-        "num_layers": 32,
-        "num_kv_heads": 8,
-        "head_dim": 128,
-    }
+        "wire_version": WIRE, "mode": "push", "model": "llama-3-8b", "dtype": "bfloat16",
+        "geometry": GEOMETRY,
+    }  # fmt: skip
     assert compat_hash(**fields) == HASH and len(HASH) == 64  # type: ignore[arg-type]
-    changed = {"wire_version": 2, "mode": "pull", "model": "m", "dtype": "float16"}
-    changed |= {"num_layers": 33, "num_kv_heads": 4, "head_dim": 64}
-    hashes = {compat_hash(**(fields | {k: v})) for k, v in changed.items()}  # type: ignore[arg-type]
+    changed: dict[str, object] = {"wire_version": 2, "mode": "pull", "model": "m", "dtype": "f16"}
+    for name, value in {
+        "num_layers": 33, "num_kv_heads": 4, "head_dim": 64, "dtype_bytes": 4, "kv_layout": "NHD",
+    }.items():  # fmt: skip
+        changed[name] = msgspec.structs.replace(GEOMETRY, **{name: value})
+    changed["mla"] = msgspec.structs.replace(GEOMETRY, mla=True, num_kv_heads=1)
+    hashes = {
+        compat_hash(**(fields | ({"geometry": v} if isinstance(v, KvGeometry) else {k: v})))  # type: ignore[arg-type]
+        for k, v in changed.items()
+    }
     assert len(hashes) == len(changed) and HASH not in hashes
+    # What may differ between the two sides does not change it.
+    for same in ({"tp_size": 4}, {"block_size": 32}, {"num_blocks": 7}, {"split_kv": True}):
+        geometry = msgspec.structs.replace(GEOMETRY, **same)
+        assert compat_hash(**(fields | {"geometry": geometry})) == HASH  # type: ignore[arg-type]
 
 
 # --- client and listener -------------------------------------------------------------------------
@@ -324,8 +325,7 @@ def _collect(directory: ZmqDirectory, n: int) -> dict[str, PeerInfo | HandshakeE
 
 
 def _info(payload: HandshakePayload) -> PeerInfo:
-    layout = BlockLayout(payload.num_blocks, payload.block_bytes)
-    return PeerInfo(payload.agent, payload.agent_metadata, payload.base_address, layout)
+    return PeerInfo(payload.agent, payload.agent_metadata, payload.layout())
 
 
 def test_directory_reports_successes_and_failures(listener: HandshakeListener) -> None:
@@ -367,14 +367,14 @@ def test_directory_checks_payloads(listener: HandshakeListener) -> None:
 
 
 def test_directory_turns_bad_geometry_into_a_result() -> None:
-    bad = _payload(num_blocks=0)
+    bad = _payload(block_lens=(4096,) * 32)
     with (
         HandshakeListener({bad.agent: bad}.get) as served,
         ZmqDirectory({bad.agent: (HOST, served.port)}, compat_hash=HASH, wire_version=WIRE) as d,
     ):
         d.start(bad.agent)
         (result,) = _collect(d, 1).values()
-    assert isinstance(result, HandshakeError) and "num_blocks must be > 0" in str(result)
+    assert isinstance(result, HandshakeError) and "block lengths [4096] do not match" in str(result)
 
 
 def test_directory_after_close_reports_instead_of_raising() -> None:
@@ -401,16 +401,49 @@ def test_directory_runs_many_handshakes(listener: HandshakeListener) -> None:
 # --- validate ------------------------------------------------------------------------------------
 
 
+def _d(**changes: object) -> KvGeometry:
+    """A D rank's geometry: TP 4, blocks of 32 tokens (the payloads are P's: TP 2, 16 tokens)."""
+    fields: dict[str, object] = {"tp_size": 4, "block_size": 32, "num_blocks": 99} | changes
+    return msgspec.structs.replace(GEOMETRY, **fields)
+
+
 def test_validate_accepts_compatible_geometry() -> None:
-    validate(_payload(), expect_mode="push", tp_size=4, block_size=32, kv_layout="NHD")
-    validate(_payload(), tp_size=1, block_size=16)
+    validate(_payload(), expect_mode="push", local=_d(), local_is_p=False)
+    validate(_payload(rank=1), local=_d(tp_rank=3, split_kv=True))  # K/V split may differ
+    validate(_payload(), local=GEOMETRY.for_rank(0), local_is_p=True)
 
 
 def test_validate_lists_every_problem() -> None:
-    bad = _payload(num_blocks=0, block_bytes=-1, block_size=0, rank=2, agent="prefill#2")
+    bad = _payload(base_addresses=(0x1000,), mode="pull")
     with pytest.raises(HandshakeError) as info:
-        validate(bad, expect_mode="pull", tp_size=3, block_size=16, kv_layout="HND")
+        validate(bad, expect_mode="push", local=_d(tp_size=3, num_kv_heads=9))
     text = str(info.value)
-    for part in ("num_blocks", "block_bytes", "block_size must", "rank 2", "mode mismatch"):
-        assert part in text
-    assert "kv layout mismatch" in text and "TP sizes 3" in text and "block sizes 16" in text
+    assert "1 base addresses for 32 regions" in text and "mode mismatch" in text
+    assert "TP sizes 3 (ours) and 2 (peer's) do not divide" in text
+
+
+@pytest.mark.parametrize(
+    ("local", "local_is_p", "match"),
+    [
+        (
+            _d(tp_rank=2),
+            False,
+            r"rank 2/4 exchanges KV with peer ranks \[1\] of 2, not with rank 0",
+        ),
+        (_d(block_size=8), False, "P's blocks of 16 tokens must divide D's blocks of 8"),
+        (_d(head_dim=64), False, "head_dim differs"),
+        (_d(kv_layout="NHD"), False, "kv_layout differs"),
+        (_d(mla=True, num_kv_heads=1), False, "num_kv_heads differs.*mla differs"),
+    ],
+)
+def test_validate_refuses_geometry_that_cannot_pair(
+    local: KvGeometry, local_is_p: bool, match: str
+) -> None:
+    with pytest.raises(HandshakeError, match=match):
+        validate(_payload(rank=0), local=local, local_is_p=local_is_p)
+
+
+def test_validate_refuses_overlapping_regions() -> None:
+    bases = (0x10000,) * 32
+    with pytest.raises(HandshakeError, match="overlap"):
+        validate(_payload(base_addresses=bases))

@@ -8,7 +8,13 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from kvfsm.core import Mode
 from kvfsm.fabric import SimFaults
-from kvfsm.testing import LifecycleMachine, machine_for, run_tour, untaken_transitions
+from kvfsm.testing import (
+    SIM_MLA_GEOMETRY,
+    LifecycleMachine,
+    machine_for,
+    run_tour,
+    untaken_transitions,
+)
 
 # Transfers that stay in flight a while, so aborts, cancels and deaths land mid-transfer.
 _SLOW = SimFaults(transfer_latency=0.25)
@@ -29,10 +35,19 @@ MACHINES = (
     machine_for("pull", 2, 1, _NOISY),
     machine_for("push", 2, 1, _SLOW),
     machine_for("pull", 1, 2, _SLOW),
+    # Replicated (MLA) KV: one P rank moves the bytes, the other only notifies.
+    machine_for("push", 2, 1, _SLOW, geometry=SIM_MLA_GEOMETRY),
+    machine_for("pull", 2, 1, _NOISY, geometry=SIM_MLA_GEOMETRY),
+    # D's blocks hold 2 or 4 of P's: prefix-cache hits align across block sizes.
+    machine_for("push", 1, 2, _NOISY, d_block_size=8),
+    machine_for("pull", 1, 1, _SLOW, d_block_size=16),
 )
 TestPush, TestPull, TestPushSlow, TestPullSlow = (m.TestCase for m in MACHINES[:4])
 TestPushOneToTwo, TestPullTwoToOne, TestPushTwoToOne, TestPullOneToTwo = (
-    m.TestCase for m in MACHINES[4:]
+    m.TestCase for m in MACHINES[4:8]
+)
+TestPushMla, TestPullMla, TestPushBigDBlocks, TestPullBigDBlocks = (
+    m.TestCase for m in MACHINES[8:]
 )
 
 

@@ -53,9 +53,17 @@ def test_demo_prints_a_table_without_json(capsys: pytest.CaptureFixture[str]) ->
     assert "every byte verified" in out and "time in state" in out
 
 
-def test_nixl_demo_refuses_tp_pairs_it_does_not_run_yet(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--fabric", "nixl", "--p-tp", "2"]) == 2
-    assert "TP 1 -> 1" in capsys.readouterr().err
+def test_demo_with_bigger_d_blocks_and_a_prefix_hit_mix(capsys: pytest.CaptureFixture[str]) -> None:
+    # D's blocks hold 4x P's tokens; the demo mixes in partial and full prefix-cache hits on D.
+    args = ["demo", "--fabric", "sim", "--requests", "30", "--d-block-size", "16", "--json"]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["done"] == 30 and report["verified"] and report["d_block_size"] == 16
+
+
+def test_demo_refuses_block_sizes_that_do_not_pair(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--fabric", "sim", "--p-block-size", "8", "--d-block-size", "12"]) == 2
+    assert "must be a multiple of --p-block-size 8" in capsys.readouterr().err
 
 
 def test_committed_diagrams_are_fresh() -> None:

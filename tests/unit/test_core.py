@@ -39,7 +39,7 @@ from kvfsm.testing import FAST_CONFIG, PairedRequest, SimCluster
 from kvfsm.wire import Grant, Heartbeat, Progress, Registration, decode, encode, pack_blocks
 
 MODES: tuple[Mode, ...] = ("push", "pull")
-BLOCK_BYTES = 64  # SimCluster's default block size
+BLOCK_BYTES = 512  # a block of SimCluster's model, all heads (TP ranks hold slices)
 
 
 def blocks(*ids: int) -> np.ndarray:
@@ -334,7 +334,7 @@ def test_sweep_finds_every_expired_lease_when_heartbeats_reorder_deadlines(mode:
         assert set(expired[before:]) == due
         for r in due:
             del deadline[r]
-        assert p.next_deadline() == (min(deadline.values()) if deadline else None)
+        assert p.next_wakeup() == (min(deadline.values()) if deadline else None)
     assert sorted(released) == sorted(expired) and len(set(released)) == 400
     assert expired != sorted(expired, key=lambda r: int(r[1 : r.index("-")]))  # reordered
     assert p.requests == {} and len(p.deadlines) == 0

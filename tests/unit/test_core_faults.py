@@ -49,7 +49,7 @@ from kvfsm.wire import (
     pack_blocks,
 )
 
-BLOCK_BYTES = 64
+BLOCK_BYTES = 512  # a block of SimCluster's model, all heads (TP ranks hold slices)
 
 # --- 4. abort from every state ---------------------------------------------------------------------
 
@@ -188,7 +188,7 @@ def test_pull_p_is_done_only_after_every_d_rank_read() -> None:
     settled(cluster)
     assert pr.final == {"D#0": "done", "D#1": "done", "P#0": "done"}
     assert len(out.releases("P#0", pr.p_id)) == 1
-    assert cluster.ledger.verified_bytes == 2 * 4 * BLOCK_BYTES
+    assert cluster.ledger.verified_bytes == 4 * BLOCK_BYTES  # two D ranks, half the heads each
 
 
 def test_push_d_is_done_only_after_every_p_rank_wrote() -> None:
@@ -244,7 +244,7 @@ def test_duplicated_completion_is_counted_and_changes_nothing(
     assert counters[counted] == 1
     assert counters["duplicate" if counted == "late" else "late"] == 0
     assert set(pr.final.values()) == {"done"} and len(pr.final) == p_tp + d_tp
-    assert cluster.ledger.verified_bytes == d_tp * 4 * BLOCK_BYTES
+    assert cluster.ledger.verified_bytes == 4 * BLOCK_BYTES  # D's ranks split the heads
 
 
 def messages_to(side: str, mode: Mode, rid: str, sender_rid: str) -> list[Message]:

@@ -1,0 +1,165 @@
+"""One engine rank of `kvfsm demo --fabric nixl`, in a process of its own.
+
+It owns a NIXL agent, its KV cache, a handshake listener and an `EngineLoop`; its main thread
+takes the driver's commands from a pipe (peers' addresses, admissions, stop). P's "prefill"
+writes each request's recognisable pattern; D checks every byte of its share on a reporter
+thread, off the engine's loop, before it reports the request received.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import queue
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+
+from kvfsm.core import Admit, Consumer, CoreConfig, Identity, Mode, PrefillFinished, Producer
+from kvfsm.layout import KvGeometry
+
+__all__ = ["RankSpec", "rank_main"]
+
+WIRE_VERSION = 1
+
+
+class RankSpec(msgspec.Struct, frozen=True):
+    """What one rank process needs to know."""
+
+    side: str  # "P" or "D"
+    mode: Mode
+    geometry: KvGeometry  # this rank's
+    peer_tp: int
+    unit_tokens: int  # the smaller of the two sides' block sizes
+    compat_hash: str
+
+
+def rank_main(spec: RankSpec, conn: Connection) -> None:
+    """The body of a rank process (the `multiprocessing` target)."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO to stdout; --json owns it
+    send = _Sender(conn)
+    try:
+        _serve(spec, conn, send)
+    except BaseException as exc:  # report, then die: the driver fails the run saying why
+        send(("error", f"{spec.side}#{spec.geometry.tp_rank}: {exc!r}"))
+        raise
+
+
+def _serve(spec: RankSpec, conn: Connection, send: _Sender) -> None:
+    from kvfsm.fabric import NixlFabric
+    from kvfsm.runtime import Engine, EngineLoop, KvCache
+    from kvfsm.sidechannel import HandshakeListener, ZmqDirectory, payload_of, validate
+    from kvfsm.testing import request_seed, write_request
+
+    is_p = spec.side == "P"
+    g = spec.geometry
+    core = (Producer if is_p else Consumer)(
+        Identity(spec.side, g.tp_rank, g.tp_size), spec.mode, CoreConfig()
+    )
+    fabric = NixlFabric(core.identity.agent)
+    kv = KvCache.allocate(g)
+    addresses: dict[str, tuple[str, int]] = {}
+    check = functools.partial(validate, expect_mode=spec.mode, local=g, local_is_p=is_p)
+    directory = ZmqDirectory(
+        addresses, compat_hash=spec.compat_hash, wire_version=WIRE_VERSION, timeout_s=10.0,
+        check=check,
+    )  # fmt: skip
+    engine = Engine(core, fabric, kv, directory, time.monotonic)
+    payload = payload_of(engine, compat_hash=spec.compat_hash, wire_version=WIRE_VERSION)
+    listener = HandshakeListener({engine.agent: payload}.get)
+    reporter = _Reporter(spec, kv, send)
+    loop = EngineLoop(engine, reporter.put)
+    directory.on_result = loop.wake
+    loop.start()
+    send(("ready", listener.port))
+    try:
+        while True:
+            msg: tuple[Any, ...] = conn.recv()
+            if msg[0] == "stop":
+                break
+            if msg[0] == "peers":
+                addresses.update(msg[1])
+            elif msg[0] == "admit_p":
+                _, key, rid, blocks = msg
+                write_request(kv, request_seed(key), blocks, unit_tokens=spec.unit_tokens)
+                _watch(loop.submit(Admit(rid, blocks)), send)
+                _watch(loop.submit(PrefillFinished(rid, blocks)), send)
+                send(("prefilled", key, time.monotonic()))  # hand-off latency starts here
+            elif msg[0] == "admit_d":
+                _, key, rid, blocks, p_rid, tokens = msg
+                reporter.expect(rid, key, tokens)
+                _watch(loop.submit(Admit(rid, blocks, "P", spec.peer_tp, p_rid)), send)
+    finally:
+        loop.stop()
+        reporter.stop()
+        listener.close()
+        directory.close()
+        send(("counters", dict(engine.counters + core.counters), list(loop.errors)))
+        fabric.close()
+
+
+class _Sender:
+    """`conn.send` for several threads."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn, self._lock = conn, threading.Lock()
+
+    def __call__(self, msg: tuple[Any, ...]) -> None:
+        with self._lock:
+            self._conn.send(msg)
+
+
+def _watch(future: Any, send: _Sender) -> None:
+    """Tell the driver if the engine refused an event (a caller's protocol error)."""
+
+    def report(done: Any) -> None:
+        if done.exception() is not None:
+            send(("error", repr(done.exception())))
+
+    future.add_done_callback(report)
+
+
+class _Reporter:
+    """Takes the engine's outputs (on the loop's thread: only queues them), checks D's bytes and
+    tells the driver, in order, on a thread of its own."""
+
+    def __init__(self, spec: RankSpec, kv: Any, send: _Sender) -> None:
+        self._spec, self._kv, self._send = spec, kv, send
+        self._expected: dict[str, tuple[str, int]] = {}  # D request id -> (key, tokens)
+        self._queue: queue.SimpleQueue[tuple[Any, float] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kvfsm-demo-reporter", daemon=True)
+        self._thread.start()
+
+    def expect(self, rid: str, key: str, tokens: int) -> None:
+        self._expected[rid] = (key, tokens)
+
+    def put(self, output: Any) -> None:
+        self._queue.put((output, time.monotonic()))
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        from kvfsm.core import ReportFailed, ReportReceived
+        from kvfsm.runtime import RequestTrace
+        from kvfsm.testing import check_request, request_seed
+
+        while (item := self._queue.get()) is not None:
+            out, at = item
+            if isinstance(out, ReportReceived):
+                key, tokens = self._expected.pop(out.request_id)
+                check = check_request(
+                    self._kv, request_seed(key), out.blocks, unit_tokens=self._spec.unit_tokens,
+                    first_token=0, tokens=tokens,
+                )  # fmt: skip
+                self._send(("received", out.request_id, check.compared, check.wrong, at))
+            elif isinstance(out, ReportFailed):
+                self._expected.pop(out.request_id, None)
+                self._send(("failed", out.request_id))
+            elif isinstance(out, RequestTrace):
+                stats = msgspec.to_builtins(out.stats)
+                self._send(("finished", out.request_id, out.state, out.history, stats))

@@ -1,0 +1,194 @@
+"""`EngineLoop`: an engine on a thread of its own, the one thread that calls its fabric.
+
+NIXL is not thread-safe, so every fabric call happens on this thread; other threads hand it
+events. It sleeps until something can happen, and is woken by what can wake it:
+
+* an event submitted by the caller (`submit`, `call`);
+* a finished handshake (a directory with an `on_result` hook is wired to `wake`);
+* the core's next deadline, heartbeat or expiry (`Engine.next_wakeup`).
+
+NIXL (1.5.1) offers nothing to wait on for arriving notifications or finished transfers (its
+progress thread busy-polls a core), so while requests are live or transfers in flight the loop
+also polls the fabric: again at once after a poll that found something, then backing off
+(doubling from `poll_min_s` to `poll_max_s`) while nothing happens. With peers connected and
+no request it drains notifications every `idle_poll_s`; with neither it only waits.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from kvfsm.core import Event, Shutdown
+from kvfsm.runtime._engine import CallerOutput, Engine
+
+__all__ = ["EngineLoop"]
+
+T = TypeVar("T")
+_MAX_ERRORS_KEPT = 16
+
+
+class EngineLoop:
+    """Runs `engine` on its own thread; see the module docstring for when it wakes.
+
+    `on_output` receives each caller output (blocks released, received, failed, finished,
+    traces) on the loop's thread, in order; it must be quick and must not call the engine. An
+    exception from it or from the engine is counted in `errors` (the loop goes on serving the
+    other requests).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        on_output: Callable[[CallerOutput], None],
+        *,
+        poll_min_s: float = 20e-6,
+        poll_max_s: float = 1e-3,
+        idle_poll_s: float = 0.05,
+        name: str | None = None,
+    ) -> None:
+        if not 0 < poll_min_s <= poll_max_s or idle_poll_s <= 0:
+            raise ValueError("need 0 < poll_min_s <= poll_max_s and idle_poll_s > 0")
+        self.engine = engine
+        self.on_output = on_output
+        self.errors: deque[str] = deque(maxlen=_MAX_ERRORS_KEPT)
+        self.wakeups = 0
+        self.polls = 0
+        self._poll_min, self._poll_max, self._idle = poll_min_s, poll_max_s, idle_poll_s
+        self._cond = threading.Condition()
+        self._inbox: list[tuple[Callable[[Engine], Any], Future[Any]]] = []  # guarded by _cond
+        self._woken = False  # guarded by _cond
+        self._stopping = False  # guarded by _cond
+        self._drain_until: float | None = None  # guarded by _cond
+        self._thread = threading.Thread(
+            target=self._run, name=name or f"kvfsm-engine-{engine.agent}", daemon=True
+        )
+
+    # --- from any thread -------------------------------------------------------------------------
+
+    def start(self) -> EngineLoop:
+        """Start the loop's thread."""
+        self._thread.start()
+        return self
+
+    def submit(self, event: Event) -> Future[None]:
+        """Feed `event` to the engine on the loop's thread; the future ends when it was handled
+        (with the exception, e.g. a caller's protocol error, if handling it raised)."""
+        return self.call(lambda engine: engine.submit(event))
+
+    def call(self, fn: Callable[[Engine], T]) -> Future[T]:
+        """Run `fn(engine)` on the loop's thread; its result or exception ends the future."""
+        future: Future[T] = Future()
+        with self._cond:
+            if self._stopping:
+                future.set_exception(RuntimeError(f"the loop of {self.engine.agent} has stopped"))
+                return future
+            self._inbox.append((fn, future))
+            self._cond.notify()
+        return future
+
+    def wake(self) -> None:
+        """Make the loop poll now (e.g. a handshake finished)."""
+        with self._cond:
+            self._woken = True
+            self._cond.notify()
+
+    def stop(self, drain_s: float = 0.0, timeout: float | None = 30.0) -> None:
+        """Stop the loop and close the engine on its thread. With `drain_s`, shut the core down
+        first and let requests end (at most `drain_s` seconds). Idempotent."""
+        if drain_s > 0 and self._thread.is_alive():
+            self.submit(Shutdown())
+        with self._cond:
+            self._stopping = True
+            self._drain_until = self.engine.clock() + drain_s
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"the loop of {self.engine.agent} did not stop in {timeout}s")
+        elif not self._thread.ident:
+            self.engine.close()  # never started: nothing else touches the fabric
+
+    @property
+    def alive(self) -> bool:
+        """The loop's thread runs."""
+        return self._thread.is_alive()
+
+    # --- the loop's thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        delay = self._poll_min
+        try:
+            while True:
+                with self._cond:
+                    inbox, self._inbox = self._inbox, []
+                    self._woken = False
+                    stopping, drain_until = self._stopping, self._drain_until
+                for fn, future in inbox:
+                    self._apply(fn, future)
+                active = self._poll()
+                if stopping and (not self.engine.busy or self.engine.clock() >= (drain_until or 0)):
+                    return
+                delay = self._poll_min if active or inbox else min(2 * delay, self._poll_max)
+                self._sleep(self._timeout(delay))
+        finally:
+            self._close()
+
+    def _apply(self, fn: Callable[[Engine], Any], future: Future[Any]) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(self.engine))
+        except BaseException as exc:
+            future.set_exception(exc)
+        self._deliver()
+
+    def _poll(self) -> bool:
+        self.polls += 1
+        try:
+            active = self.engine.poll()
+        except Exception as exc:  # a bug: keep serving the other requests, say what happened
+            self.errors.append(f"poll: {exc!r}")
+            active = True
+        self._deliver()
+        return active
+
+    def _deliver(self) -> None:
+        for output in self.engine.take_outputs():
+            try:
+                self.on_output(output)
+            except Exception as exc:
+                self.errors.append(f"on_output: {exc!r}")
+
+    def _timeout(self, delay: float) -> float | None:
+        """How long to sleep: until the next deadline, or the next poll when one is needed."""
+        engine = self.engine
+        at = engine.next_wakeup()
+        waits = [] if at is None else [max(0.0, at - engine.clock())]
+        if engine.busy:
+            waits.append(delay)
+        elif engine.peers:
+            waits.append(self._idle)
+        return min(waits, default=None)
+
+    def _sleep(self, timeout: float | None) -> None:
+        with self._cond:
+            if self._inbox or self._woken or self._stopping:
+                return
+            if self._cond.wait(timeout):
+                self.wakeups += 1
+
+    def _close(self) -> None:
+        with self._cond:
+            self._stopping = True
+            leftover, self._inbox = self._inbox, []
+        for _, future in leftover:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(RuntimeError(f"the loop of {self.engine.agent} has stopped"))
+        try:
+            self.engine.close()
+        except Exception as exc:
+            self.errors.append(f"close: {exc!r}")

@@ -1,0 +1,161 @@
+"""The runtime engine over the simulated fabric: how it plans and posts per peer (TP slices,
+replicated KV, block-size ratios), what it refuses, and what it reports per request."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from kvfsm.core import Admit, Consumer, Finished, Identity, Mode, PrefillFinished, Producer
+from kvfsm.fabric import SimNetwork
+from kvfsm.layout import KvGeometry
+from kvfsm.runtime import Engine, KvCache, LocalDirectory, RequestTrace, plan_route
+from kvfsm.testing import SIM_GEOMETRY, SIM_MLA_GEOMETRY, SimCluster
+
+MODES = ["push", "pull"]
+
+
+def _settle(cluster: SimCluster) -> None:
+    cluster.settle()
+    assert cluster.ledger.quiescence() == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2), (2, 4)])
+def test_replicated_kv_moves_one_copy_per_d_rank(mode: Mode, p_tp: int, d_tp: int) -> None:
+    cluster = SimCluster(mode, p_tp=p_tp, d_tp=d_tp, geometry=SIM_MLA_GEOMETRY)
+    prs = [cluster.admit(f"r{i}", 3) for i in range(4)]
+    for pr in prs:
+        cluster.finish_prefill(pr.key)
+    _settle(cluster)
+    assert all(set(pr.final.values()) == {"done"} for pr in prs)
+    posters = cluster.agents("P" if mode == "push" else "D")
+    posted = sum(cluster.engines[a].counters["posted"] for a in posters)
+    assert posted == 4 * d_tp  # every D rank holds the whole latent KV, from one P rank
+    block = cluster.engines["D#0"].kv.block_bytes  # the whole latent: the same on every rank
+    assert cluster.ledger.verified_bytes == 4 * d_tp * 3 * block
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("n", "cached"), [(7, 0), (7, 1), (8, 2), (5, 2), (3, 1)])
+def test_bigger_d_blocks_pair_after_a_prefix_hit(mode: Mode, n: int, cached: int) -> None:
+    # P's blocks hold 4 tokens, D's 8; D already holds its first `cached` blocks.
+    cluster = SimCluster(mode, d_block_size=8)
+    pr = cluster.admit("r", n, d_cached=cached)
+    cluster.finish_prefill("r")
+    _settle(cluster)
+    d_blocks = -(-n // 2) - cached
+    assert len(pr.d_blocks) == d_blocks
+    if d_blocks == 0:  # a full hit: nothing moves, P releases at once
+        assert pr.final == {"P#0": "done", "D#0": "done"} and cluster.ledger.verified_bytes == 0
+        return
+    assert pr.final == {"P#0": "done", "D#0": "done"}
+    tokens = n * 4 - cached * 8
+    token_bytes = cluster.engines["D#0"].kv.block_bytes // 8
+    assert cluster.ledger.verified_bytes == tokens * token_bytes  # every token D holds, no more
+
+
+def _engines(mode: Mode, p: KvGeometry, d: KvGeometry) -> tuple[SimNetwork, Engine, Engine]:
+    net = SimNetwork(0)
+    directory = LocalDirectory(lambda: net.now)
+    engines = []
+    for side, g in ((Producer(Identity("P"), mode), p), (Consumer(Identity("D"), mode), d)):
+        engine = Engine(
+            side,
+            net.agent(side.identity.agent),
+            KvCache.allocate(g),
+            directory.view(),
+            lambda: net.now,
+        )
+        directory.publish(engine.agent, engine.info)
+        engines.append(engine)
+    return net, engines[0], engines[1]
+
+
+def _run(net: SimNetwork, engines: tuple[Engine, ...], outputs: list[object], until: int) -> None:
+    for _ in range(2000):
+        if sum(isinstance(o, Finished) for o in outputs) >= until:
+            return
+        net.advance(1e-3)
+        for engine in engines:
+            engine.poll()
+            outputs += engine.take_outputs()
+    raise AssertionError(f"requests did not end: {outputs}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_p_blocks_bigger_than_d_blocks_are_refused_at_the_handshake(mode: Mode) -> None:
+    p_geo = msgspec.structs.replace(SIM_GEOMETRY, block_size=8, num_blocks=8)
+    d_geo = msgspec.structs.replace(SIM_GEOMETRY, block_size=4, num_blocks=8)
+    net, p, d = _engines(mode, p_geo, d_geo)
+    blocks = np.array([1, 2], dtype=np.int32)
+    p.submit(Admit("r-0000000a", blocks))
+    p.submit(PrefillFinished("r-0000000a", blocks))
+    d.submit(Admit("r-0000000b", np.array([3, 4, 5, 6], dtype=np.int32), "P", 1, "r-0000000a"))
+    outputs: list[object] = []
+    _run(net, (p, d), outputs, until=1)
+    names = [type(o).__name__ for o in outputs]
+    assert names[:2] == ["ReportFailed", "ReleaseBlocks"]  # D's blocks reported invalid
+    assert d.counters["handshake_failed"] == 1 and d.counters["posted"] == 0
+    assert d.side.counters["handshake_failed"] == 1
+    assert "P's blocks of 8 tokens must divide D's blocks of 4 tokens" in d.side.errors[0]
+
+
+def test_plan_route_says_why_geometries_cannot_pair() -> None:
+    p_geo = msgspec.structs.replace(SIM_GEOMETRY, block_size=8)
+    with pytest.raises(ValueError, match="P's blocks of 8 tokens must divide D's blocks of 4"):
+        plan_route(p_geo, SIM_GEOMETRY, local_is_p=True)
+    d_rank1 = msgspec.structs.replace(SIM_GEOMETRY, tp_size=2, tp_rank=1)
+    with pytest.raises(
+        ValueError, match=r"exchanges KV with peer ranks \[1\] of 2, not with rank 0"
+    ):
+        plan_route(d_rank1, msgspec.structs.replace(SIM_GEOMETRY, tp_size=2), local_is_p=False)
+    route = plan_route(
+        SIM_MLA_GEOMETRY.for_rank(0),
+        msgspec.structs.replace(SIM_MLA_GEOMETRY, tp_size=2, tp_rank=1),
+        local_is_p=False,
+    )
+    assert route.pairing is None  # replicated KV: rank 1 only hears that the read is done
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_trace_reports_bytes_descriptors_and_the_fabric_s_merging(mode: Mode) -> None:
+    net, p, d = _engines(mode, SIM_GEOMETRY, SIM_GEOMETRY)
+    p_blocks = np.array([4, 5, 6], dtype=np.int32)  # adjacent on both sides: the fabric merges
+    p.submit(Admit("r-0000000a", p_blocks))
+    p.submit(PrefillFinished("r-0000000a", p_blocks))
+    d.submit(Admit("r-0000000b", np.array([10, 11, 12], dtype=np.int32), "P", 1, "r-0000000a"))
+    outputs: list[object] = []
+    _run(net, (p, d), outputs, until=2)
+    traces = {o.request_id: o for o in outputs if isinstance(o, RequestTrace)}
+    poster = traces["r-0000000a" if mode == "push" else "r-0000000b"]
+    other = traces["r-0000000b" if mode == "push" else "r-0000000a"]
+    assert poster.state == other.state == "done"
+    assert poster.stats.transfers == 1 and poster.stats.failed == 0
+    assert poster.stats.bytes == 3 * p.kv.block_bytes
+    assert poster.stats.descriptors == 3 * SIM_GEOMETRY.num_regions  # a row per block per layer
+    assert poster.stats.fabric_descriptors == SIM_GEOMETRY.num_regions  # merged per layer
+    assert other.stats.transfers == 0 and other.stats.bytes == 0
+    assert poster.history[-1][1] == "done" and sum(poster.time_in_state_s.values()) > 0
+
+
+def test_kv_cache_takes_one_buffer_or_one_per_region() -> None:
+    g = SIM_GEOMETRY
+    whole = KvCache.allocate(g)
+    assert whole.layout.base_addresses[1] - whole.layout.base_addresses[0] == g.region_bytes
+    layers = [torch.zeros(g.region_bytes // 2, dtype=torch.float16) for _ in range(g.num_regions)]
+    per_layer = KvCache(g, layers)
+    assert per_layer.layout.base_addresses == tuple(t.data_ptr() for t in layers)
+    per_layer.fill_blocks([3], 7)  # through host views of the tensors' memory
+    assert all(int(t.view(torch.uint8)[3 * g.block_len]) == 7 for t in layers)
+    assert all(int(t.view(torch.uint8)[4 * g.block_len]) == 0 for t in layers)
+    with pytest.raises(ValueError, match="3 KV buffers"):
+        KvCache(g, [*layers, layers[0]])
+    with pytest.raises(
+        ValueError, match=f"KV buffer 0 has 8 bytes; the geometry needs {g.kv_bytes}"
+    ):
+        KvCache(g, [np.zeros(8, dtype=np.uint8)])
+    with pytest.raises(TypeError, match="contiguous 1-D numpy uint8"):
+        KvCache(g, [np.zeros((2, g.kv_bytes // 2), dtype=np.uint8)])
