@@ -19,7 +19,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/kvfsm demo
+	$(BIN)/kvfsm demo --mode push
+	$(BIN)/kvfsm demo --mode pull
 
 demo-sim: $(STAMP)
 	$(BIN)/kvfsm demo --fabric sim

@@ -29,27 +29,38 @@ def progress_bar(total: int, enabled: bool = True) -> Iterator[Callable[[int], N
 
 
 def demo_table(report: DemoReport) -> None:
-    """Print a demo's summary: outcomes, bytes, verification and time in each state."""
+    """Print a demo's summary: outcomes, bytes, speed, verification and time in each state."""
     console = Console()
     summary = Table(title=f"kvfsm demo: {report.mode} on {report.fabric}")
     summary.add_column("metric")
     summary.add_column("value", justify="right")
-    rows = [
+    blocks = f"{report.p_block_size} -> {report.d_block_size} tokens"
+    rows: list[tuple[str, object]] = [
         ("requests", report.requests),
-        ("done", report.done),
-        ("failed", report.failed),
-        ("expired", report.expired),
-        ("aborted", report.aborted),
-        ("bytes moved", f"{report.bytes:,}"),
+        ("done / failed / expired / aborted",
+         f"{report.done} / {report.failed} / {report.expired} / {report.aborted}"),
         ("every byte verified", "yes" if report.verified else "NO"),
         ("safety violations", len(report.violations)),
         ("TP (P -> D)", f"{report.p_tp} -> {report.d_tp}"),
-        ("CPU seconds", f"{report.cpu_s:.2f}"),
-    ]
+        ("block size (P -> D)", blocks),
+        ("bytes moved", f"{report.bytes:,}"),
+    ]  # fmt: skip
+    if report.fabric == "nixl":
+        rows += [
+            ("model", report.model),
+            ("GB/s (demo wall time)", f"{report.gbps:.2f}"),
+            ("hand-off p50 / p99 (ms)", f"{report.handoff_ms_p50:.2f} / {report.handoff_ms_p99:.2f}"),
+            ("descriptors posted / moved by NIXL", f"{report.descriptors:,} / {report.fabric_descriptors:,}"),
+            ("wall seconds", f"{report.wall_s:.2f}"),
+        ]  # fmt: skip
+    else:
+        rows += [("simulated seconds", f"{report.simulated_s:.3f}")]
+    rows.append(("CPU seconds (this process)", f"{report.cpu_s:.2f}"))
     for name, value in rows:
         summary.add_row(name, str(value))
     console.print(summary)
-    states = Table(title="mean time in state (simulated ms)")
+    clock = "simulated" if report.fabric == "sim" else "wall-clock"
+    states = Table(title=f"mean time in state ({clock} ms)")
     states.add_column("side")
     states.add_column("state")
     states.add_column("ms", justify="right")

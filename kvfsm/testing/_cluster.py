@@ -5,8 +5,10 @@ the engines report what they do."""
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 import msgspec
 import numpy as np
@@ -29,7 +31,7 @@ from kvfsm.core import (
     Side,
     agent_name,
 )
-from kvfsm.fabric import SimFaults, SimNetwork
+from kvfsm.fabric import Fabric, NixlFabric, SimFaults, SimNetwork
 from kvfsm.layout import KvGeometry
 from kvfsm.runtime import CallerOutput, Engine, KvCache, LocalDirectory
 from kvfsm.testing._invariants import Conformance, Ledger
@@ -89,13 +91,22 @@ class SimCluster:
         conformance: bool = True,
         handshake_latency: float = 1e-3,
         trace: bool = True,
+        fabric: Literal["sim", "nixl"] = "sim",
     ) -> None:
         """P's ranks use `geometry` (with `num_blocks`), D's the same with `d_block_size` tokens
-        per block (default: P's; it must be a multiple of P's)."""
+        per block (default: P's; it must be a multiple of P's).
+
+        With ``fabric="nixl"`` every rank gets a real NIXL agent in this process and time is
+        the monotonic clock: the operations both fabrics support (admit, prefill, abort, time)
+        run unchanged, the safety ledger checks them alike, and `step` only polls (time passes
+        on its own); faults, kills and revivals exist on the simulated fabric only. `close()`
+        releases the agents."""
         self.mode: Mode = mode
         self.config = config
         self.network = SimNetwork(seed, faults)
-        self.directory = LocalDirectory(lambda: self.network.now, handshake_latency)
+        self.real = fabric == "nixl"
+        self._t0 = time.monotonic()
+        self.directory = LocalDirectory(lambda: self.now, 0.0 if self.real else handshake_latency)
         base = msgspec.structs.replace(geometry, num_blocks=num_blocks)
         d_bs = d_block_size or geometry.block_size
         if d_bs % geometry.block_size:
@@ -142,10 +153,16 @@ class SimCluster:
         )
         if self.conformance is not None:
             core.set_recorder(self.conformance.record)
-        fabric = self.network.revive(agent) if agent in self.engines else self.network.agent(agent)
+        fabric: Fabric
+        if self.real:
+            fabric = NixlFabric(agent)
+        elif agent in self.engines:
+            fabric = self.network.revive(agent)
+        else:
+            fabric = self.network.agent(agent)
         kv = KvCache.allocate(self.geometry[side].for_rank(rank))
         view = self.directory.view()
-        engine = Engine(core, fabric, kv, view, lambda: self.network.now)
+        engine = Engine(core, fabric, kv, view, lambda: self.now)
         self.engines[agent] = engine
         self.directory.publish(agent, engine.info)
         self.dead.discard(agent)
@@ -153,6 +170,8 @@ class SimCluster:
 
     def kill(self, agent: str, reset: bool) -> None:
         """The process of `agent` dies: with `reset`, peers see the connection reset; else silence."""
+        if self.real:
+            raise NotImplementedError("the real fabric cannot be told to kill an agent")
         if agent in self.dead:
             return
         self.network.kill(agent, reset)
@@ -248,9 +267,21 @@ class SimCluster:
 
     # --- time and outputs ------------------------------------------------------------------------
 
+    @property
+    def now(self) -> float:
+        """Seconds since the cluster started: simulated, or real on the real fabric."""
+        return time.monotonic() - self._t0 if self.real else self.network.now
+
+    def close(self) -> None:
+        """Shut the engines down and release their agents (needed on the real fabric)."""
+        for engine in self.live_engines():
+            engine.close()
+            engine.fabric.close()
+
     def step(self, dt: float) -> None:
         """Advance the clock by `dt`, then let every live engine poll."""
-        self.network.advance(dt)
+        if not self.real:
+            self.network.advance(dt)
         for agent, engine in self.engines.items():
             if agent not in self.dead:
                 engine.poll()
@@ -282,8 +313,8 @@ class SimCluster:
         """Run the clock until every request on live engines ended, up to `horizon` seconds."""
         c = self.config
         limit = horizon or 4 * (c.lease_s + c.watchdog_s + c.producer_stall_s + c.fence_s)
-        end = self.network.now + limit
-        while self.network.now < end and not self.quiet():
+        end = self.now + limit
+        while self.now < end and not self.quiet():
             self.step(min(c.heartbeat_s, c.stall_s) / 2)
 
     def quiet(self) -> bool:

@@ -156,3 +156,13 @@ def test_unit_ids_equal_transfer_ids_without_a_hit() -> None:
             strict=True,
         )
     )
+
+
+def test_the_seed_s_worked_examples_of_mapped_blocks() -> None:
+    # vLLM's get_mapped_blocks docstring: block_ids=[0, 2], ratio 2 -> 0 1 [2 3] 4 5 -> [0,1,4,5].
+    np.testing.assert_array_equal(logical_to_kernel([0, 2], 2), [0, 1, 4, 5])
+    # Its _read_blocks note: P blocks of 4 tokens [1..10], D blocks of 16 tokens [1, 2, 3]; D's
+    # 12 kernel blocks are clipped to P's 10.
+    p_units, d_units = align_tail(list(range(1, 11)), [1, 2, 3], ratio=4)
+    np.testing.assert_array_equal(p_units, range(1, 11))
+    np.testing.assert_array_equal(d_units, range(4, 14))  # D block 1 = kernel 4..7, ...

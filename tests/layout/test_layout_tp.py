@@ -201,3 +201,19 @@ def test_nhd_pages_move_whole_blocks_only() -> None:
         check_compatible(_geo(1, kv_layout="NHD"), _geo(1))
     with pytest.raises(ValueError, match="kv_layout must be 'HND' or 'NHD', got 'XYZ'"):
         _geo(1, kv_layout="XYZ")
+
+
+def test_the_seed_s_worked_example_of_four_d_workers_reading_two_p_workers() -> None:
+    # vLLM's docstring (D world 4, P world 2, HND, not MLA): D workers 0 and 1 read the first and
+    # second half of P worker 0's heads, D workers 2 and 3 those of P worker 1.
+    # A P rank holds 2 of the 4 heads, 8 bytes each per segment of a block; a D rank holds 1.
+    expected = {0: (0, (0, 8)), 1: (0, (8, 8)), 2: (1, (0, 8)), 3: (1, (8, 8))}
+    for d_rank, (p_rank, span) in expected.items():
+        (pairing,) = plan_pairings(_geo(4, d_rank), _geo(2)).pairings
+        assert (pairing.remote_rank, pairing.remote_span) == (p_rank, span)
+        assert pairing.local_span == (0, 8)  # all of the D rank's one head
+    # ... and with MLA the offset is always 0: the whole cache is shared.
+    mla: dict[str, Any] = dict(num_kv_heads=1, head_dim=8, mla=True)
+    for d_rank in range(4):
+        (pairing,) = plan_pairings(_geo(4, d_rank, **mla), _geo(2, **mla)).pairings
+        assert pairing.remote_span == pairing.local_span == (0, 32)

@@ -1,123 +1,155 @@
-"""The same script of operations on SimFabric and on real NIXL ends in the same final states with
-the same bytes: the simulated fabric the stateful suite trusts behaves like the real one for the
-operations both support (no injected faults: the real fabric cannot be told to drop a message)."""
+"""The stateful machine's operations that both fabrics support (admit on either side first, with
+or without a prefix-cache hit, prefill with or without KV, aborts on either side, time passing),
+run on `SimFabric` and on real NIXL agents, end in the same final states with the same bytes,
+and keep the safety properties on both.
+
+Hypothesis draws the scripts; each runs as one `SimCluster` per fabric with the same seed (so the
+same request ids, blocks and bytes). Operations apply at points where their outcome does not hang
+on how fast messages travel (right after an admission, or once D has registered): the real
+fabric cannot be told to drop or delay a message, so races are the simulated fabric's job."""
 
 from __future__ import annotations
 
-import itertools
-import time
-from collections.abc import Callable
+from dataclasses import dataclass
 
+import hypothesis.strategies as st
 import numpy as np
-import pytest
+from hypothesis import HealthCheck, given, settings
 
-from kvfsm.core import (
-    Abort,
-    Admit,
-    Consumer,
-    Finished,
-    Identity,
-    Mode,
-    PrefillFinished,
-    Producer,
-    ReportReceived,
+from kvfsm.core import CoreConfig, Mode
+from kvfsm.testing import SimCluster
+
+# Deadlines long enough for a loaded machine, short enough that a lease runs out in a test.
+_CONFIG = CoreConfig(
+    lease_s=2.0, watchdog_s=20.0, stall_s=10.0, producer_stall_s=15.0, fence_s=20.0,
+    heartbeat_s=0.5, pending_registration_ttl_s=20.0,
+)  # fmt: skip
+_WHAT = ("plain", "no-kv", "abort-p-early", "abort-d-early", "abort-d-registered")
+
+
+@dataclass(frozen=True)
+class _Op:
+    """One request's script."""
+
+    blocks: int
+    cached: int
+    d_first: bool
+    same_id: bool
+    what: str
+
+
+_ops = st.builds(
+    _Op,
+    blocks=st.integers(0, 5),
+    cached=st.integers(0, 3),
+    d_first=st.booleans(),
+    same_id=st.booleans(),
+    what=st.sampled_from(_WHAT),
 )
-from kvfsm.fabric import Fabric, NixlFabric, SimNetwork
-from kvfsm.layout import KvGeometry
-from kvfsm.runtime import Engine, KvCache, LocalDirectory
-from kvfsm.testing import request_seed, write_request
 
-_GEOMETRY = KvGeometry(
-    num_layers=2, num_kv_heads=2, head_dim=32, dtype_bytes=2, block_size=4, num_blocks=32
+
+def _play(
+    cluster: SimCluster, ops: list[_Op]
+) -> tuple[dict[str, dict[str, str]], dict[str, bytes]]:
+    keys = [f"r{i}" for i in range(len(ops))]
+    for key, op in zip(keys, ops, strict=True):
+        cluster.admit(key, op.blocks, op.cached, op.d_first, op.same_id)
+    for key, op in zip(keys, ops, strict=True):
+        if op.what == "abort-p-early":
+            cluster.abort(key, "P")
+        elif op.what == "abort-d-early":
+            cluster.abort(key, "D")
+            cluster.abort(key, "P")  # the serving engine's part: P's request goes too
+    for key, op in zip(keys, ops, strict=True):
+        if op.what == "abort-d-registered" and _wait_registered(cluster, key):
+            cluster.abort(key, "D")
+    for key, op in zip(keys, ops, strict=True):
+        cluster.finish_prefill(key, without_blocks=op.what == "no-kv")
+    received = _received_bytes(cluster)
+    cluster.settle(horizon=60.0)
+    received |= _received_bytes(cluster)
+    assert cluster.ledger.quiescence() == [], cluster.ledger.quiescence()
+    return {k: dict(sorted(pr.final.items())) for k, pr in cluster.requests.items()}, received
+
+
+def _wait_registered(cluster: SimCluster, key: str) -> bool:
+    """Let time pass until every D rank registered `key` (False if one never does: a full hit)."""
+    pr = cluster.requests[key]
+    for _ in range(20_000):
+        states = [e.side.requests.get(pr.d_id) for e in cluster.live("D")]
+        if any(r is None for r in states):
+            return False
+        if all(r is not None and r.state == "registered" for r in states):
+            return True
+        cluster.step(1e-3)
+    raise AssertionError(f"{key} never registered")
+
+
+def _received_bytes(cluster: SimCluster) -> dict[str, bytes]:
+    """Every D rank's bytes of every request it finished with `done`."""
+    out = {}
+    for key, pr in cluster.requests.items():
+        for agent in cluster.agents("D"):
+            if pr.final.get(agent) == "done" and len(pr.d_blocks):
+                kv = cluster.engines[agent].kv
+                g = kv.geometry
+                out[f"{key}@{agent}"] = b"".join(
+                    r.reshape(g.num_blocks, g.block_len)[pr.d_blocks].tobytes()
+                    for r in kv.regions()
+                )
+    return out
+
+
+@settings(max_examples=100, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    mode=st.sampled_from(["push", "pull"]),
+    tp=st.sampled_from([(1, 1), (1, 2), (2, 1)]),
+    ratio=st.sampled_from([1, 2]),
+    ops=st.lists(_ops, min_size=1, max_size=5),
+    seed=st.integers(0, 2**16),
 )
-_names = itertools.count()
-
-# (key, P blocks, D blocks, what happens): D blocks fewer than P's = a partial prefix-cache hit.
-_SCRIPT = [
-    ("plain", [1, 2, 3], [4, 5, 6], "run"),
-    ("partial-hit", [7, 8, 9], [10], "run"),
-    ("full-hit", [11, 12], [], "run"),
-    ("no-kv", [], [], "run"),
-    ("p-abort", [13, 14], [15, 16], "abort P before the prefill ends"),
-    ("d-abort", [17], [18], "abort D before it registers"),
-]
-
-
-class _World:
-    """Two engines on one kind of fabric, and a way to let time pass."""
-
-    def __init__(self, mode: Mode, fabric: str) -> None:
-        n = next(_names)
-        self.p_name = f"P{n}"
-        if fabric == "sim":
-            net = SimNetwork(0)
-            clock: Callable[[], float] = lambda: net.now  # noqa: E731
-            make: Callable[[str], Fabric] = net.agent
-            self.tick: Callable[[], None] = lambda: net.advance(1e-3)
-        else:
-            clock, make, self.tick = time.monotonic, NixlFabric, lambda: None
-        directory = LocalDirectory(clock)
-        self.engines: list[Engine] = []
-        for side in (Producer(Identity(self.p_name), mode), Consumer(Identity(f"D{n}"), mode)):
-            kv = KvCache.allocate(_GEOMETRY)
-            engine = Engine(side, make(side.identity.agent), kv, directory.view(), clock)
-            directory.publish(engine.agent, engine.info)
-            self.engines.append(engine)
-        self.finals: dict[str, str] = {}
-        self.received: dict[str, bytes] = {}
-
-    def settle(self, ids: set[str], limit: float = 20.0) -> None:
-        deadline = time.monotonic() + limit
-        while not ids <= self.finals.keys():
-            assert time.monotonic() < deadline, f"not ended: {ids - self.finals.keys()}"
-            self.tick()
-            for engine in self.engines:
-                engine.poll()
-                for out in engine.take_outputs():
-                    if isinstance(out, Finished):
-                        self.finals[out.request_id] = out.state
-                    elif isinstance(out, ReportReceived):
-                        regions = engine.kv.regions()
-                        g = engine.kv.geometry
-                        self.received[out.request_id] = b"".join(
-                            r.reshape(g.num_blocks, g.block_len)[out.blocks].tobytes()
-                            for r in regions
-                        )
-
-    def close(self) -> None:
-        for engine in self.engines:
-            engine.close()
-            engine.fabric.close()
-
-
-def _run(mode: Mode, fabric: str) -> tuple[dict[str, str], dict[str, bytes]]:
-    world = _World(mode, fabric)
-    p, d = world.engines
-    try:
-        for key, p_blocks, d_blocks, what in _SCRIPT:
-            pid, did = f"{key}-0000000a", f"{key}-0000000b"
-            pb, db = np.array(p_blocks, dtype=np.int32), np.array(d_blocks, dtype=np.int32)
-            write_request(p.kv, request_seed(key), pb, unit_tokens=4)
-            p.submit(Admit(pid, pb))
-            if what.startswith("abort P"):
-                p.submit(Abort(pid))
-            else:
-                p.submit(PrefillFinished(pid, pb))
-            d.submit(Admit(did, db, world.p_name, 1, pid if mode == "pull" else ""))
-            if what.startswith("abort D"):
-                d.submit(Abort(did))
-                p.submit(Abort(pid))  # the serving engine's part: P's request goes too
-            world.settle({pid, did})
-        return {k.rsplit("-", 1)[0] + k[-1]: v for k, v in world.finals.items()}, world.received
-    finally:
-        world.close()
-
-
-@pytest.mark.parametrize("mode", ["push", "pull"])
-def test_sim_and_nixl_agree(mode: Mode) -> None:
-    sim_finals, sim_bytes = _run(mode, "sim")
-    real_finals, real_bytes = _run(mode, "nixl")
+def test_sim_and_nixl_agree(
+    mode: Mode, tp: tuple[int, int], ratio: int, ops: list[_Op], seed: int
+) -> None:
+    outcomes = []
+    for fabric in ("sim", "nixl"):
+        cluster = SimCluster(
+            mode, seed=seed, config=_CONFIG, num_blocks=24, p_tp=tp[0], d_tp=tp[1],
+            d_block_size=4 * ratio, fabric=fabric,  # type: ignore[arg-type]
+        )  # fmt: skip
+        try:
+            outcomes.append(_play(cluster, ops))
+        finally:
+            cluster.close()
+    (sim_finals, sim_bytes), (real_finals, real_bytes) = outcomes
     assert sim_finals == real_finals
-    assert sim_bytes == real_bytes
-    assert sim_finals["plaina"] == sim_finals["plainb"] == "done"  # the script is not vacuous
-    assert sim_finals["p-aborta"] == "aborted" and sim_finals["d-abortb"] == "aborted"
+    assert sim_bytes.keys() == real_bytes.keys()
+    for name, data in sim_bytes.items():
+        assert np.array_equal(
+            np.frombuffer(data, np.uint8), np.frombuffer(real_bytes[name], np.uint8)
+        ), name
+
+
+def test_the_scripts_reach_every_kind_of_ending() -> None:
+    """The operations are not vacuous: on the real fabric they end requests done, failed,
+    aborted and expired, and move bytes."""
+    ops = [
+        _Op(3, 0, False, False, "plain"),
+        _Op(2, 1, True, False, "plain"),
+        _Op(2, 0, False, True, "no-kv"),
+        _Op(2, 0, False, False, "abort-p-early"),
+        _Op(1, 0, True, False, "abort-d-early"),
+        _Op(2, 0, False, False, "abort-d-registered"),
+    ]
+    cluster = SimCluster("push", config=_CONFIG, num_blocks=24, fabric="nixl")
+    try:
+        finals, received = _play(cluster, ops)
+    finally:
+        cluster.close()
+    assert finals["r0"] == finals["r1"] == {"D#0": "done", "P#0": "done"}
+    assert finals["r2"]["D#0"] == "failed"  # P had no KV: D reports its blocks invalid
+    assert finals["r3"] == {"D#0": "failed", "P#0": "aborted"}
+    assert finals["r4"] == {"D#0": "aborted", "P#0": "aborted"}
+    # D gave up after registering; P, having matched the registration, fails the request.
+    assert finals["r5"] == {"D#0": "aborted", "P#0": "failed"}
+    assert set(received) == {"r0@D#0", "r1@D#0"} and cluster.ledger.verified_bytes > 0
