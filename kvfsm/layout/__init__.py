@@ -17,7 +17,7 @@ from kvfsm.layout._blocksize import (
 from kvfsm.layout._coalesce import Coalesced, coalesce
 from kvfsm.layout._geometry import KvGeometry
 from kvfsm.layout._ids import Int64Array
-from kvfsm.layout._regions import BlockSlice, RegionLayout, slice_ids
+from kvfsm.layout._regions import BlockSlice, RegionLayout, SliceRows, slice_ids, slice_rows
 from kvfsm.layout._tp import (
     RankPairing,
     TpPlan,
@@ -35,6 +35,7 @@ __all__ = [
     "KvGeometry",
     "RankPairing",
     "RegionLayout",
+    "SliceRows",
     "TpPlan",
     "align_tail",
     "block_size_factors",
@@ -47,4 +48,5 @@ __all__ = [
     "plan_pairings",
     "remote_descriptors",
     "slice_ids",
+    "slice_rows",
 ]

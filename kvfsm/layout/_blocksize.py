@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from kvfsm.layout._ids import Int64Array, as_ids, positive_int
+from kvfsm.layout._ids import Int64Array, as_id_array, as_ids, positive_int
 
 __all__ = ["align_tail", "block_size_factors", "logical_to_kernel", "pair_units"]
 
@@ -82,8 +82,9 @@ def align_tail(
     partial success) or the ratio is not a positive integer.
     """
     k = positive_int(ratio, "block size ratio")
-    sender = as_ids(sender_ids, None, "P block ids")
-    receiver = as_ids(receiver_ids, None, "D block ids")
+    # Shape and type only: the ids are range-checked where they select rows (`slice_rows`).
+    sender = as_id_array(sender_ids, "P block ids")
+    receiver = as_id_array(receiver_ids, "D block ids")
     d_total = -(-sender.size // k)  # D blocks the whole request takes: ceil(P blocks / k)
     hit = d_total - receiver.size
     if hit < 0:
@@ -92,4 +93,5 @@ def align_tail(
             f" blocks fill only {d_total}"
         )
     units = sender[hit * k :]
-    return units, logical_to_kernel(receiver, k)[: units.size]
+    kernel = receiver if k == 1 else (receiver[:, None] * k + np.arange(k, dtype=np.int64)).ravel()
+    return units, kernel[: units.size]

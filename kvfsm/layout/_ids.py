@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Int64Array", "as_ids", "positive_int"]
+__all__ = ["Int64Array", "as_id_array", "as_ids", "positive_int"]
 
 Int64Array = npt.NDArray[np.int64]
 """A numpy array of int64: descriptor rows, descriptor ids, block ids."""
@@ -37,6 +37,17 @@ def as_ids(values: npt.ArrayLike, upper: int | None, what: str) -> Int64Array:
         bound = f"[0, {upper})" if upper is not None else "[0, inf)"
         raise ValueError(f"{what} must lie in {bound}, got values from {lo} to {hi}")
     return ids
+
+
+def as_id_array(values: npt.ArrayLike, what: str) -> Int64Array:
+    """`values` as a 1-D int64 array, checking shape and integer type but not the range (for hot
+    paths whose ids are range-checked where they are used)."""
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be a 1-D array, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ValueError(f"{what} must be integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
 
 
 def positive_int(value: object, what: str) -> int:

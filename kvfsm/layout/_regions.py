@@ -17,7 +17,7 @@ import numpy.typing as npt
 from kvfsm.layout._geometry import KvGeometry
 from kvfsm.layout._ids import Int64Array, as_ids, positive_int
 
-__all__ = ["BlockSlice", "RegionLayout", "slice_ids"]
+__all__ = ["BlockSlice", "RegionLayout", "SliceRows", "slice_ids", "slice_rows"]
 
 
 class BlockSlice(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -153,6 +153,40 @@ class RegionLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return _grid(regions, g.num_blocks, blocks)
 
 
+class SliceRows(NamedTuple):
+    """`slice_ids` for one geometry, slice and set of layers, resolved once: a callable mapping
+    unit ids to row ids with one bounds check (for hot paths that map many requests)."""
+
+    plane_starts: Int64Array
+    """Shape (planes, 1): the first row of each plane."""
+    rows_per_plane: int
+
+    def __call__(self, units: Int64Array) -> Int64Array:
+        """Row ids of `units` (1-D int64) in every plane, plane-major; ValueError if a unit is
+        out of range."""
+        if units.size and (units.min() < 0 or units.max() >= self.rows_per_plane):
+            raise ValueError(
+                f"block ids must lie in [0, {self.rows_per_plane}), got values from"
+                f" {int(units.min())} to {int(units.max())}"
+            )
+        rows: Int64Array = (self.plane_starts + units[None, :]).ravel()
+        return rows
+
+
+def slice_rows(
+    geometry: KvGeometry, part: BlockSlice, layers: npt.ArrayLike | None = None
+) -> SliceRows:
+    """The row mapping of `slice_ids` for `part` of `geometry`'s blocks in `layers` (all)."""
+    cut = _cut(geometry, part)
+    if layers is None:
+        chosen = np.arange(geometry.num_layers, dtype=np.int64)
+    else:
+        chosen = as_ids(layers, geometry.num_layers, "layer ids")
+    per_layer = geometry.regions_per_layer * cut.planes_per_region
+    planes = (chosen[:, None] * per_layer + np.arange(per_layer, dtype=np.int64)).ravel()
+    return SliceRows(planes[:, None] * cut.rows_per_plane, cut.rows_per_plane)
+
+
 def slice_ids(
     geometry: KvGeometry,
     part: BlockSlice,
@@ -164,15 +198,8 @@ def slice_ids(
     `unit_ids` are (sub-)block ids, i.e. kernel block ids when `part.subdivide` > 1. Order:
     plane-major (layer, then region K/V or segment K/V), units in the order given.
     """
-    cut = _cut(geometry, part)
-    units = as_ids(unit_ids, cut.rows_per_plane, "block ids")
-    if layers is None:
-        chosen = np.arange(geometry.num_layers, dtype=np.int64)
-    else:
-        chosen = as_ids(layers, geometry.num_layers, "layer ids")
-    per_layer = geometry.regions_per_layer * cut.planes_per_region
-    planes = (chosen[:, None] * per_layer + np.arange(per_layer, dtype=np.int64)).ravel()
-    return _grid(planes, cut.rows_per_plane, units)
+    rows = slice_rows(geometry, part, layers)
+    return rows(as_ids(unit_ids, rows.rows_per_plane, "block ids"))
 
 
 def _grid(planes: Int64Array, rows_per_plane: int, units: Int64Array) -> Int64Array:

@@ -26,7 +26,7 @@ import numpy.typing as npt
 from kvfsm.layout._blocksize import block_size_factors, pair_units
 from kvfsm.layout._geometry import KvGeometry
 from kvfsm.layout._ids import Int64Array
-from kvfsm.layout._regions import BlockSlice, RegionLayout, slice_ids
+from kvfsm.layout._regions import BlockSlice, RegionLayout, SliceRows, slice_ids, slice_rows
 
 __all__ = [
     "RankPairing",
@@ -116,6 +116,13 @@ class RankPairing(msgspec.Struct, frozen=True, kw_only=True):
         return (
             slice_ids(self.local_geometry, self.local, local_units, layers),
             slice_ids(self.remote_geometry, self.remote, remote_units, layers),
+        )
+
+    def row_maps(self, layers: npt.ArrayLike | None = None) -> tuple[SliceRows, SliceRows]:
+        """`unit_ids` resolved once, for the local and the remote side."""
+        return (
+            slice_rows(self.local_geometry, self.local, layers),
+            slice_rows(self.remote_geometry, self.remote, layers),
         )
 
 

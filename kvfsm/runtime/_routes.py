@@ -11,6 +11,7 @@ from kvfsm.layout import (
     KvGeometry,
     RankPairing,
     RegionLayout,
+    SliceRows,
     align_tail,
     plan_pairings,
 )
@@ -31,6 +32,7 @@ class Route(NamedTuple):
     pairing: RankPairing | None
     ratio: int  # D's block size / P's block size
     local_is_p: bool
+    maps: tuple[SliceRows, SliceRows] | None = None  # the pairing's unit -> row mappings
     local: DlistHandle | None = None
     remote: DlistHandle | None = None
     row_bytes: int = 0
@@ -39,13 +41,15 @@ class Route(NamedTuple):
         self, local_blocks: BlockIds, remote_blocks: BlockIds
     ) -> tuple[Int64Array, Int64Array]:
         """Local and remote row ids for one request's blocks, aligned at D's prefix-cache hit.
-        ValueError when the blocks cannot pair (D holds more than P's request fills)."""
-        assert self.pairing is not None, "a notify-only route moves no rows"
+        ValueError when the blocks cannot pair (D holds more than P's request fills) or lie
+        outside either side's cache."""
+        assert self.maps is not None, "a notify-only route moves no rows"
+        local_map, remote_map = self.maps
         if self.local_is_p:
             p_units, d_units = align_tail(local_blocks, remote_blocks, self.ratio)
-            return self.pairing.unit_ids(p_units, d_units)
+            return local_map(p_units), remote_map(d_units)
         p_units, d_units = align_tail(remote_blocks, local_blocks, self.ratio)
-        return self.pairing.unit_ids(d_units, p_units)
+        return local_map(d_units), remote_map(p_units)
 
 
 def plan_route(local: KvGeometry, peer: KvGeometry, *, local_is_p: bool) -> Route:
@@ -66,7 +70,8 @@ def plan_route(local: KvGeometry, peer: KvGeometry, *, local_is_p: bool) -> Rout
             f" hits are whole D blocks, which must be whole P blocks too)"
         )
     pairing = next((p for p in plan.pairings if p.remote_rank == peer.tp_rank), None)
-    return Route(pairing, d_bs // p_bs, local_is_p)
+    maps = pairing.row_maps() if pairing is not None else None
+    return Route(pairing, d_bs // p_bs, local_is_p, maps)
 
 
 def prepare_route(
