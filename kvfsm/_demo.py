@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import random
 import time
 from collections import Counter, defaultdict
@@ -11,6 +10,7 @@ from collections.abc import Callable
 import msgspec
 
 from kvfsm.core import CoreConfig, Mode
+from kvfsm.runtime import time_in_state as request_time_in_state
 from kvfsm.testing import SIM_GEOMETRY, SimCluster
 
 __all__ = ["DemoReport", "run_sim_demo", "time_in_state", "worst_state"]
@@ -162,8 +162,8 @@ def time_in_state(
     total: defaultdict[str, defaultdict[str, float]] = defaultdict(lambda: defaultdict(float))
     seen: defaultdict[str, Counter[str]] = defaultdict(Counter)
     for side, history in histories:
-        for (_, state, start), (_, _, end) in itertools.pairwise(history):
-            total[side][state] += (end - start) * 1e3
+        for state, seconds in request_time_in_state(history).items():
+            total[side][state] += seconds * 1e3
             seen[side][state] += 1
     return {
         side: {state: round(total[side][state] / seen[side][state], 3) for state in total[side]}

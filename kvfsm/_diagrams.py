@@ -96,7 +96,6 @@ def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
 def render_mermaid(model: LifecycleModel) -> str:
     """A Markdown page for one lifecycle: a Mermaid `stateDiagram-v2` and tables of the model."""
     m = model.machine
-    ids = _mermaid_ids(model)
     out = [
         f"<!-- {_GENERATED.format(source=f'models/{m.name}.toml')} -->",
         "",
@@ -109,22 +108,32 @@ def render_mermaid(model: LifecycleModel) -> str:
         "",
         "Edges read `event [guard, !unless] / command, ...`; a guard prefixed `!` must be false.",
         "",
-        "```mermaid",
-        "stateDiagram-v2",
     ]
+    out += _mermaid_diagram(model)
+    out += _model_tables(model)
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def _mermaid_diagram(model: LifecycleModel) -> list[str]:
+    ids = _mermaid_ids(model)
+    out = ["```mermaid", "stateDiagram-v2"]
     # Aliased states need a declaration so the diagram shows their real name.
     out += [
         f'    state "{_mermaid_text(s.name)}" as {ids[s.name]}'
         for s in model.states
         if ids[s.name] != s.name
     ]
-    out.append(f"    [*] --> {ids[m.initial]}")
+    out.append(f"    [*] --> {ids[model.machine.initial]}")
     out += [
         f"    {ids[a]} --> {ids[b]} : {_mermaid_text(_transition_label(t))}"
         for a, b, t in _edges(model)
     ]
     out += [f"    {ids[s.name]} --> [*]" for s in model.states if s.terminal]
-    out += ["```", "", "## States", ""]
+    return [*out, "```", ""]
+
+
+def _model_tables(model: LifecycleModel) -> list[str]:
+    out = ["## States", ""]
     out += _md_table(
         ["state", "terminal", "holds blocks", "description"],
         [
@@ -164,7 +173,7 @@ def render_mermaid(model: LifecycleModel) -> str:
             for t in model.transitions
         ],
     )
-    return "\n".join(out).rstrip("\n") + "\n"
+    return out
 
 
 def _dot_str(text: str) -> str:

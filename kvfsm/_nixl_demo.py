@@ -22,7 +22,7 @@ import numpy as np
 
 from kvfsm._demo import DemoReport, time_in_state, worst_state
 from kvfsm._demo_rank import WIRE_VERSION, RankSpec, rank_main
-from kvfsm._presets import model_geometry
+from kvfsm._presets import DTYPES, model_geometry
 from kvfsm.core import Mode, agent_name
 from kvfsm.sidechannel import compat_hash
 
@@ -73,7 +73,11 @@ def run_nixl_demo(
     if d_block_size % p_block_size:
         raise ValueError(f"P's block size {p_block_size} must divide D's {d_block_size}")
     hash_ = compat_hash(
-        wire_version=WIRE_VERSION, mode=mode, model=model, dtype="float16", geometry=geometry["P"]
+        wire_version=WIRE_VERSION,
+        mode=mode,
+        model=model,
+        dtype=DTYPES[model],
+        geometry=geometry["P"],
     )
     ctx = mp.get_context("spawn")
     pipes: dict[str, Connection] = {}

@@ -7,7 +7,7 @@ import msgspec
 
 from kvfsm.layout import KvGeometry
 
-__all__ = ["MODELS", "model_geometry"]
+__all__ = ["DTYPES", "MODELS", "model_geometry"]
 
 MODELS: dict[str, KvGeometry] = {
     # Llama-3-8B: 32 layers, 8 KV heads (GQA), head dim 128, fp16; 2 MiB per 16-token block.
@@ -30,6 +30,10 @@ MODELS: dict[str, KvGeometry] = {
         num_layers=4, num_kv_heads=8, head_dim=32, dtype_bytes=2, block_size=16, num_blocks=1
     ),
 }
+
+
+DTYPES: dict[str, str] = {"llama3-8b": "float16", "deepseek-v2-lite": "bfloat16", "tiny": "float16"}
+"""Each preset's KV dtype, for the compatibility hash."""
 
 
 def model_geometry(

@@ -36,12 +36,12 @@ from kvfsm.fabric._protocol import (
     XferTelemetry,
 )
 from kvfsm.fabric._sim_faults import SimFaults, _Completion, _FaultyClock, _Notif
+from kvfsm.fabric._sim_rows import I64, indices, merged_rows, resolve
 
 __all__ = ["SimFabric", "SimNetwork"]
 
 _NETWORK_IDS = itertools.count(1)  # tells metadata of different networks apart
 _META_KIND = "kvfsm-sim/1"
-_I64 = npt.NDArray[np.int64]
 
 
 class _Meta(msgspec.Struct, frozen=True):
@@ -63,9 +63,9 @@ class _Region:
 class _Dlist:
     peer: str | None  # None: local memory
     gen: int  # incarnation owning the memory
-    region: _I64  # per row: memory handle, offset inside it, length
-    offset: _I64
-    length: _I64
+    region: I64  # per row: memory handle, offset inside it, length
+    offset: I64
+    length: I64
 
 
 @dataclass(slots=True)
@@ -73,61 +73,17 @@ class _Xfer:
     op: XferOp
     peer: str
     gen: int  # target incarnation
-    local_region: _I64  # per paired row
-    local_offset: _I64
-    remote_region: _I64
-    remote_offset: _I64
-    length: _I64
+    local_region: I64  # per paired row
+    local_offset: I64
+    remote_region: I64
+    remote_offset: I64
+    length: I64
     notif: bytes
     merged: int  # rows once those adjacent on both sides are merged, as NIXL's prepped path does
     state: Literal["NEW", "PROC", "DONE", "ERR"] = "NEW"
     post: int = 0  # bumped by every post so that a stale completion event is ignored
     posted_at: float = 0.0
     done_at: float = 0.0
-
-
-def _resolve(descs: object, regions: dict[int, tuple[int, int]], owner: str) -> tuple[_I64, _I64]:
-    """Map descriptor rows to (memory handle, offset); rows outside every region are an error."""
-    if not (isinstance(descs, np.ndarray) and descs.ndim == 2 and descs.shape[1] == 3):
-        raise FabricError("descriptors must be an int64 array of shape (n, 3)")
-    if descs.dtype != np.int64:
-        raise FabricError(f"descriptors must be int64, got {descs.dtype}")
-    addr, length, dev = descs[:, 0], descs[:, 1], descs[:, 2]
-    region = np.full(len(descs), -1, dtype=np.int64)
-    offset = np.zeros(len(descs), dtype=np.int64)
-    for handle, (base, size) in sorted(regions.items()):
-        # `length <= base + size - addr` instead of `addr + length <= end`: no int64 overflow.
-        inside = (region < 0) & (dev == 0) & (addr >= base) & (addr <= base + size)
-        inside &= (length >= 0) & (length <= base + size - addr)
-        region[inside] = handle
-        offset[inside] = addr[inside] - base
-    bad = np.flatnonzero(region < 0)
-    if bad.size:
-        i = int(bad[0])
-        row = tuple(int(v) for v in descs[i])
-        raise FabricError(
-            f"descriptor row {i} (addr, len, dev)={row} is not inside memory registered by {owner}"
-        )
-    return region, offset
-
-
-def _merged_rows(lr: _I64, lo: _I64, rr: _I64, ro: _I64, length: _I64) -> int:
-    """Rows left after merging each row into the previous one when it continues it on both sides."""
-    if not len(length):
-        return 0
-    joins = (lr[1:] == lr[:-1]) & (lo[1:] == lo[:-1] + length[:-1])
-    joins &= (rr[1:] == rr[:-1]) & (ro[1:] == ro[:-1] + length[:-1])
-    return int(len(length) - np.count_nonzero(joins))
-
-
-def _indices(idx: object, n: int, what: str) -> _I64:
-    if not (isinstance(idx, np.ndarray) and idx.ndim == 1 and idx.dtype.kind in "iu"):
-        raise FabricError(f"{what} must be a 1-D integer array")
-    out = idx.astype(np.int64)
-    bad = np.flatnonzero((out < 0) | (out >= n))
-    if bad.size:
-        raise FabricError(f"{what}[{int(bad[0])}]={int(out[bad[0]])} is out of range for {n} rows")
-    return out
 
 
 class SimFabric:
@@ -252,7 +208,7 @@ class SimFabric:
             meta = self._remote(agent)
             gen, owner = meta.gen, f"{agent!r} (per its loaded metadata)"
             regions = {h: (a, n) for h, a, n in meta.regions}
-        region, offset = _resolve(descs, regions, owner)
+        region, offset = resolve(descs, regions, owner)
         handle = self._net._next_id()
         self._dlists[handle] = _Dlist(agent, gen, region, offset, descs[:, 1].copy())
         return handle
@@ -283,8 +239,8 @@ class SimFabric:
             raise NotFoundError(f"unknown dlist handle {local if ld is None else remote}")
         if ld.peer is not None or rd.peer is None:
             raise FabricError("make_prepped_xfer needs a local dlist and a remote dlist")
-        li = _indices(local_idx, len(ld.region), "local_idx")
-        ri = _indices(remote_idx, len(rd.region), "remote_idx")
+        li = indices(local_idx, len(ld.region), "local_idx")
+        ri = indices(remote_idx, len(rd.region), "remote_idx")
         if len(li) != len(ri):
             raise FabricError(f"local_idx has {len(li)} rows but remote_idx has {len(ri)}")
         bad = np.flatnonzero(ld.length[li] != rd.length[ri])
@@ -296,7 +252,7 @@ class SimFabric:
             )
         handle = self._net._next_id()
         length = ld.length[li]
-        merged = _merged_rows(ld.region[li], ld.offset[li], rd.region[ri], rd.offset[ri], length)
+        merged = merged_rows(ld.region[li], ld.offset[li], rd.region[ri], rd.offset[ri], length)
         self._xfers[handle] = _Xfer(
             op, rd.peer, rd.gen, ld.region[li], ld.offset[li], rd.region[ri], rd.offset[ri],
             length, notif, merged,

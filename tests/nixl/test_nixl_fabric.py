@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from kvfsm.core import (
     Admit,
@@ -98,17 +99,20 @@ def test_register_refuses_what_is_not_a_byte_buffer(pair: tuple[NixlFabric, Nixl
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_engines_move_verified_kv_over_real_nixl(mode: Mode) -> None:
     """P and D engines, real agents, a handshake through the directory, 20 requests; every byte
-    D reports received holds what P's prefill wrote; every request ends with a trace of its
-    bytes and descriptors, NIXL's telemetry included."""
+    D reports received holds what P's prefill wrote (into D's per-layer torch tensors); every
+    request ends with a trace of its bytes and descriptors, NIXL's telemetry included."""
     n = next(_names)
     directory = LocalDirectory(time.monotonic)
     geometry = KvGeometry(
         num_layers=2, num_kv_heads=2, head_dim=64, dtype_bytes=2, block_size=4, num_blocks=64
     )
     engines = {}
+    # P's cache is one numpy buffer; D's is one torch CPU tensor per layer, as a serving engine's.
+    d_layers = [torch.zeros(geometry.region_bytes, dtype=torch.uint8) for _ in range(2)]
+    caches = {"P": KvCache.allocate(geometry), "D": KvCache(geometry, d_layers)}
     for side in (Producer(Identity(f"P{n}"), mode), Consumer(Identity(f"D{n}"), mode)):
         fabric = NixlFabric(side.identity.agent)
-        engine = Engine(side, fabric, KvCache.allocate(geometry), directory.view(), time.monotonic)
+        engine = Engine(side, fabric, caches[side.side], directory.view(), time.monotonic)
         directory.publish(engine.agent, engine.info)
         engines[side.side] = engine
     p, d = engines["P"], engines["D"]

@@ -1,0 +1,57 @@
+"""How the simulated fabric reads descriptor rows: which registered region and offset each row
+lies in, checked index arrays, and how many rows NIXL's prepped path would merge."""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from kvfsm.fabric._protocol import FabricError
+
+__all__ = ["I64", "indices", "merged_rows", "resolve"]
+
+I64 = npt.NDArray[np.int64]
+
+
+def resolve(descs: object, regions: dict[int, tuple[int, int]], owner: str) -> tuple[I64, I64]:
+    """Map descriptor rows to (memory handle, offset); rows outside every region are an error."""
+    if not (isinstance(descs, np.ndarray) and descs.ndim == 2 and descs.shape[1] == 3):
+        raise FabricError("descriptors must be an int64 array of shape (n, 3)")
+    if descs.dtype != np.int64:
+        raise FabricError(f"descriptors must be int64, got {descs.dtype}")
+    addr, length, dev = descs[:, 0], descs[:, 1], descs[:, 2]
+    region = np.full(len(descs), -1, dtype=np.int64)
+    offset = np.zeros(len(descs), dtype=np.int64)
+    for handle, (base, size) in sorted(regions.items()):
+        # `length <= base + size - addr` instead of `addr + length <= end`: no int64 overflow.
+        inside = (region < 0) & (dev == 0) & (addr >= base) & (addr <= base + size)
+        inside &= (length >= 0) & (length <= base + size - addr)
+        region[inside] = handle
+        offset[inside] = addr[inside] - base
+    bad = np.flatnonzero(region < 0)
+    if bad.size:
+        i = int(bad[0])
+        row = tuple(int(v) for v in descs[i])
+        raise FabricError(
+            f"descriptor row {i} (addr, len, dev)={row} is not inside memory registered by {owner}"
+        )
+    return region, offset
+
+
+def merged_rows(lr: I64, lo: I64, rr: I64, ro: I64, length: I64) -> int:
+    """Rows left after merging each row into the previous one when it continues it on both sides."""
+    if not len(length):
+        return 0
+    joins = (lr[1:] == lr[:-1]) & (lo[1:] == lo[:-1] + length[:-1])
+    joins &= (rr[1:] == rr[:-1]) & (ro[1:] == ro[:-1] + length[:-1])
+    return int(len(length) - np.count_nonzero(joins))
+
+
+def indices(idx: object, n: int, what: str) -> I64:
+    if not (isinstance(idx, np.ndarray) and idx.ndim == 1 and idx.dtype.kind in "iu"):
+        raise FabricError(f"{what} must be a 1-D integer array")
+    out = idx.astype(np.int64)
+    bad = np.flatnonzero((out < 0) | (out >= n))
+    if bad.size:
+        raise FabricError(f"{what}[{int(bad[0])}]={int(out[bad[0]])} is out of range for {n} rows")
+    return out
