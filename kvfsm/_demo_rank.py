@@ -83,8 +83,10 @@ def _serve(spec: RankSpec, conn: Connection, send: _Sender) -> None:
             if msg[0] == "peers":
                 addresses.update(msg[1])
             elif msg[0] == "admit_p":
-                _, key, rid, blocks = msg
+                _, key, rid, blocks, corrupt = msg
                 write_request(kv, request_seed(key), blocks, unit_tokens=spec.unit_tokens)
+                if corrupt:  # the negative control: one wrong byte D must notice
+                    kv.regions()[0].reshape(g.num_blocks, g.block_len)[blocks[0], 0] ^= 0xFF
                 _watch(loop.submit(Admit(rid, blocks)), send)
                 _watch(loop.submit(PrefillFinished(rid, blocks)), send)
                 send(("prefilled", key, time.monotonic()))  # hand-off latency starts here

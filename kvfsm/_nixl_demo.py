@@ -61,10 +61,12 @@ def run_nixl_demo(
     mode: Mode, requests: int, *, seed: int = 0, p_tp: int = 1, d_tp: int = 1,
     model: str = "llama3-8b", p_block_size: int = 16, d_block_size: int = 16,
     memory_mib: float = 256, max_blocks: int = 8, progress: Callable[[int], None] | None = None,
+    corrupt: int = 0,
 ) -> DemoReport:  # fmt: skip
     """Run `requests` requests of random length (up to `max_blocks` of the larger block size)
     through P (`p_tp` rank processes) and D (`d_tp`), each rank's KV cache holding `model`'s
-    share within `memory_mib`."""
+    share within `memory_mib`. `corrupt`: flip one byte of P rank 0's KV in that many requests
+    after the prefill (a negative control: the run must then fail its byte check)."""
     cpu0 = time.process_time()
     geometry = {
         "P": model_geometry(model, tp_size=p_tp, block_size=p_block_size, memory_mib=memory_mib),
@@ -97,7 +99,7 @@ def run_nixl_demo(
         for conn in pipes.values():
             conn.send(("peers", peers))
         t0 = time.monotonic()
-        left = _drive(requests, seed, geometry, max_blocks, pipes, procs, tally, progress)
+        left = _drive(requests, seed, geometry, max_blocks, pipes, procs, tally, progress, corrupt)
         wall = time.monotonic() - t0
     finally:
         _stop(pipes, procs, tally)
@@ -134,8 +136,9 @@ class _Driver:
     """Both serving engines' schedulers: allocate, admit on every rank, collect, free."""
 
     def __init__(self, seed: int, geometry: dict[str, Any], max_blocks: int,
-                 pipes: dict[str, Connection], tally: _Tally) -> None:  # fmt: skip
+                 pipes: dict[str, Connection], tally: _Tally, corrupt: int) -> None:  # fmt: skip
         self.rng = random.Random(seed)
+        self.corrupt = corrupt  # the first this many requests get one wrong byte on P
         self.pipes, self.tally = pipes, tally
         self.bs = {side: geometry[side].block_size for side in ("P", "D")}
         self.max_tokens = max_blocks * max(self.bs.values())
@@ -158,8 +161,9 @@ class _Driver:
             req = _Request(key, tokens, blocks, ids)
             self.live[key] = self.live[ids["P"]] = self.live[ids["D"]] = req
             arrays = {s: np.array(blocks[s], dtype=np.int32) for s in need}
+            corrupt = self.admitted <= self.corrupt
             for agent in self.ranks["P"]:
-                self.pipes[agent].send(("admit_p", key, ids["P"], arrays["P"]))
+                self.pipes[agent].send(("admit_p", key, ids["P"], arrays["P"], corrupt))
             for agent in self.ranks["D"]:
                 msg = ("admit_d", key, ids["D"], arrays["D"], ids["P"], tokens)
                 self.pipes[agent].send(msg)
@@ -185,9 +189,9 @@ class _Driver:
 
 def _drive(requests: int, seed: int, geometry: dict[str, Any], max_blocks: int,
            pipes: dict[str, Connection], procs: dict[str, Any], tally: _Tally,
-           progress: Callable[[int], None] | None) -> int:  # fmt: skip
+           progress: Callable[[int], None] | None, corrupt: int) -> int:  # fmt: skip
     """Admit and collect until every request ended on every rank; returns how many did not."""
-    driver = _Driver(seed, geometry, max_blocks, pipes, tally)
+    driver = _Driver(seed, geometry, max_blocks, pipes, tally, corrupt)
     deadline = time.monotonic() + max(120.0, requests * 0.5)
     while driver.done < requests and time.monotonic() < deadline:
         driver.admit(requests)

@@ -43,6 +43,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument(
         "--memory-mib", type=float, default=256, help="KV cache per rank (real fabric)"
     )
+    demo.add_argument(
+        "--corrupt", type=int, default=0, metavar="N",
+        help="negative control (real fabric): flip one byte of P's KV in N requests; the run "
+        "must then report the mismatch and exit 1",
+    )  # fmt: skip
     demo.add_argument("--json", action="store_true", help="print one JSON object")
 
     diagrams = commands.add_parser("diagrams", help="generate docs/diagrams from models/")
@@ -76,7 +81,7 @@ def _demo(args: argparse.Namespace) -> int:
                 report = run_nixl_demo(
                     args.mode, args.requests, seed=args.seed, p_tp=args.p_tp, d_tp=args.d_tp,
                     model=args.model, p_block_size=p_bs, d_block_size=d_bs,
-                    memory_mib=args.memory_mib, progress=advance,
+                    memory_mib=args.memory_mib, progress=advance, corrupt=args.corrupt,
                 )  # fmt: skip
             else:
                 report = run_sim_demo(

@@ -66,6 +66,26 @@ def test_cli_default_is_the_real_fabric() -> None:
     assert {"gbps", "handoff_ms_p50", "handoff_ms_p99"} <= report.keys()
 
 
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_a_corrupted_byte_is_caught_and_fails_the_run(mode: Mode) -> None:
+    # The negative control: every transfer succeeds, but one request's KV has one wrong byte.
+    report = run_nixl_demo(mode, 6, seed=3, d_tp=2, model="tiny", memory_mib=8, corrupt=1)
+    assert report.done == 6 and not report.verified and not report.ok
+    assert report.violations == ["1 bytes differ from what P wrote"]
+
+
+def test_cli_exits_1_when_bytes_differ() -> None:
+    exe = Path(sys.executable).parent / "kvfsm"
+    result = subprocess.run(
+        [str(exe), "demo", "--requests", "4", "--model", "tiny", "--memory-mib", "8",
+         "--corrupt", "2", "--json"],
+        capture_output=True, text=True, check=False, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert report["verified"] is False and report["done"] == 4
+
+
 def test_cli_refuses_a_tp_size_that_does_not_split_the_heads() -> None:
     exe = Path(sys.executable).parent / "kvfsm"
     result = subprocess.run(
