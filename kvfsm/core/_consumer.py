@@ -91,9 +91,10 @@ class Consumer(Side):
         self._req.fire(req, "admitted", self._now)
 
     def next_wakeup(self) -> float | None:
-        """When the next deadline or heartbeat falls."""
+        """When the next deadline or heartbeat falls (O(1): with requests live, the next
+        heartbeat time counts even if none of them is in a state that sends one)."""
         at = self.deadlines.next_at()
-        if any(r.state in _HEARTBEAT_STATES for r in self.requests.values()):
+        if self.requests:
             return self._next_heartbeat if at is None else min(at, self._next_heartbeat)
         return at
 

@@ -56,6 +56,10 @@ class _GpuRank:
             region[:] = tensor.cpu().numpy()
 
 
+def _rank(tp: int, rank: int) -> KvGeometry:
+    return msgspec.structs.replace(_MODEL, tp_size=tp, tp_rank=rank)
+
+
 def test_a_cuda_kv_cache_is_vram() -> None:
     rank = _GpuRank(Producer(Identity(f"G{next(_names)}"), "push"), _MODEL, LocalDirectory())
     try:
@@ -73,22 +77,10 @@ def test_a_cuda_kv_cache_is_vram() -> None:
 def test_gpu_engines_move_verified_kv(mode: Mode, p_tp: int, d_tp: int) -> None:
     n = next(_names)
     directory = LocalDirectory(time.monotonic)
-    p_ranks = [
-        _GpuRank(
-            Producer(Identity(f"GP{n}", r, p_tp), mode),
-            msgspec.structs.replace(_MODEL, tp_size=p_tp, tp_rank=r),
-            directory,
-        )
-        for r in range(p_tp)
-    ]
-    d_ranks = [
-        _GpuRank(
-            Consumer(Identity(f"GD{n}", r, d_tp), mode),
-            msgspec.structs.replace(_MODEL, tp_size=d_tp, tp_rank=r),
-            directory,
-        )
-        for r in range(d_tp)
-    ]
+    p_ranks = [_GpuRank(Producer(Identity(f"GP{n}", r, p_tp), mode), _rank(p_tp, r), directory)
+               for r in range(p_tp)]  # fmt: skip
+    d_ranks = [_GpuRank(Consumer(Identity(f"GD{n}", r, d_tp), mode), _rank(d_tp, r), directory)
+               for r in range(d_tp)]  # fmt: skip
     everyone = p_ranks + d_ranks
     try:
         requests = [(f"r{i}", np.array([2 * i, 2 * i + 1], dtype=np.int32)) for i in range(8)]
