@@ -13,11 +13,13 @@ Mode = Literal["push", "pull"]
 
 
 class Identity(msgspec.Struct, frozen=True):
-    """Who a local engine is: its engine id, TP rank and TP size."""
+    """Who a local engine is: its engine id, TP rank and TP size, and where its side channel
+    listens ("host:port"; D sends it with its registrations so P can handshake back)."""
 
     engine_id: str
     rank: int = 0
     tp_size: int = 1
+    contact: str = ""
 
     @property
     def agent(self) -> str:

@@ -86,6 +86,9 @@ class Consumer(Side):
         req.peers = (
             tuple(agent_name(event.peer_engine, r) for r in ranks) if event.peer_engine else ()
         )
+        if event.peer_contact:  # every rank of P answers handshakes at P's one side channel
+            for agent in req.peers:
+                self._peer_of(agent, event.peer_contact)
         req.links = {a: ProducerLink(a, event.peer_request_id) for a in req.peers}
         req.tally.expected = len(req.peers)
         self._req.fire(req, "admitted", self._now)
@@ -205,8 +208,9 @@ class Consumer(Side):
         for link in req.links.values():
             link.deadline = deadline
             reg = Registration(
-                req.peer_request_id, req.id, me.rank, me.tp_size, me.engine_id, blocks, deadline
-            )
+                req.peer_request_id, req.id, me.rank, me.tp_size, me.engine_id, blocks, deadline,
+                me.contact,
+            )  # fmt: skip
             self._send(link.agent, reg)
 
     def _req_cmd_send_cancel(self, req: Request) -> None:

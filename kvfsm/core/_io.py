@@ -42,14 +42,16 @@ class _Io(msgspec.Struct, frozen=True, gc=False):
 
 class Admit(_Io, frozen=True, gc=False):
     """The caller admits a request. P: `blocks` are allocated for the prefill. D: `blocks` are to be
-    filled from P (empty on a full prefix-cache hit); `peer_engine`/`peer_tp` name P and
-    `peer_request_id` is P's id for the request (from P's transfer params; "" if unknown)."""
+    filled from P (empty on a full prefix-cache hit); `peer_engine`/`peer_tp` name P,
+    `peer_request_id` is P's id for the request and `peer_contact` where P's side channel
+    listens (from P's transfer params; "" if unknown)."""
 
     request_id: str
     blocks: BlockIds
     peer_engine: str = ""
     peer_tp: int = 1
     peer_request_id: str = ""
+    peer_contact: str = ""
 
 
 class PrefillFinished(_Io, frozen=True, gc=False):
@@ -125,9 +127,11 @@ Event = (
 
 
 class StartHandshake(_Io, frozen=True, gc=False):
-    """Connect to `peer`, then feed back `HandshakeDone` or `HandshakeFailed`."""
+    """Connect to `peer` (its side channel at `contact`, if one was learned), then feed back
+    `HandshakeDone` or `HandshakeFailed`."""
 
     peer: str
+    contact: str = ""
 
 
 class RemoveAgent(_Io, frozen=True, gc=False):

@@ -111,7 +111,11 @@ class Producer(Side):
         key = (sender, msg.sender_request_id)
         if msg.request_id in self.tombstones or msg.sender_request_id in self.tombstones:
             self._count_error("late", f"registration for ended request {msg.request_id!r}")
-            self._reply(sender, Failure(msg.sender_request_id, msg.request_id, *self._me, "ended"))
+            self._reply(
+                sender,
+                Failure(msg.sender_request_id, msg.request_id, *self._me, "ended"),
+                msg.contact,
+            )
             return
         prior = self._consumed.get(_consumer_key(*key))
         if prior == _CANCELLED:  # overtaken by its own cancel: D gave up, P acknowledged
@@ -127,10 +131,11 @@ class Producer(Side):
             # D named no P id and the request its base id names has ended here: do not keep D
             # waiting for its watchdog.
             self._count_error("late", f"registration {key} for an ended request")
-            self._reply(sender, Failure(msg.sender_request_id, "", *self._me, "ended"))
+            self._reply(sender, Failure(msg.sender_request_id, "", *self._me, "ended"), msg.contact)
         elif self._pending.full:
             self._count_error("rejected", f"registration {key}: too many unmatched")
-            self._reply(sender, Failure(msg.sender_request_id, msg.request_id, *self._me, "full"))
+            failure = Failure(msg.sender_request_id, msg.request_id, *self._me, "full")
+            self._reply(sender, failure, msg.contact)
         else:
             self._pending.add(msg, sender, self._now)
 
@@ -201,6 +206,7 @@ class Producer(Side):
         if sender in req.links:
             self._count_error("duplicate", f"registration for {req.id!r} from {sender}")
             return
+        self._peer_of(sender, msg.contact)  # where to handshake back with D
         blocks = unpack_blocks(msg.block_ids)
         req.links[sender] = ConsumerLink(sender, msg.sender_request_id, blocks, msg.deadline)
         req.peers += (sender,)

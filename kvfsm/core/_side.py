@@ -81,6 +81,7 @@ class Peer(msgspec.Struct, gc=False):
     history: list[tuple[str, str, float]] | None = None
     waiters: dict[str, None] = msgspec.field(default_factory=dict)
     outbox: list[bytes] = msgspec.field(default_factory=list)
+    contact: str = ""  # where its side channel listens, once learned
 
 
 class Side:
@@ -207,14 +208,24 @@ class Side:
     def _send(self, peer: str, message: Message) -> None:
         self._out.append(SendNotification(peer, encode(message)))
 
-    def _reply(self, agent: str, message: Message) -> None:
-        """Send `message` to `agent`, connecting first if needed (bounded queue meanwhile)."""
+    def _peer_of(self, agent: str, contact: str = "") -> Peer:
+        """The peer `agent`, created on first use; a non-empty `contact` replaces what was known
+        (a restarted peer may listen elsewhere)."""
+        peer = self.peers.get(agent)
+        if peer is None:
+            peer = self.peers[agent] = Peer(agent, contact=contact)
+        elif contact:
+            peer.contact = contact
+        return peer
+
+    def _reply(self, agent: str, message: Message, contact: str = "") -> None:
+        """Send `message` to `agent`, connecting first (at `contact`, if given) if needed, with
+        a bounded queue meanwhile."""
         peer = self.peers.get(agent)
         if peer is not None and peer.state == "connected":
             self._send(agent, message)
             return
-        if peer is None:
-            peer = self.peers[agent] = Peer(agent)
+        peer = self._peer_of(agent, contact)
         if peer.state == "closed" or len(peer.outbox) >= _MAX_OUTBOX:
             self.counters["unanswerable"] += 1
             return
@@ -323,9 +334,7 @@ class Side:
 
     def _req_cmd_connect_peer(self, req: Request) -> None:
         for agent in req.peers:
-            peer = self.peers.get(agent)
-            if peer is None:
-                peer = self.peers[agent] = Peer(agent)
+            peer = self._peer_of(agent)
             if peer.state != "connected":
                 peer.waiters[req.id] = None
                 self._peer.fire(peer, "connect", self._now)
@@ -352,7 +361,7 @@ class Side:
             self._count_error("protocol_error", str(exc))
 
     def _peer_cmd_start_handshake(self, peer: Peer) -> None:
-        self._emit(StartHandshake(peer.id))
+        self._emit(StartHandshake(peer.id, peer.contact))
 
     def _peer_cmd_remove_agent(self, peer: Peer) -> None:
         self._emit(RemoveAgent(peer.id))

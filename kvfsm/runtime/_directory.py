@@ -62,8 +62,9 @@ class DirectoryView:
         self._directory = directory
         self._started: list[tuple[float, str]] = []
 
-    def start(self, peer: str) -> None:
-        """Begin a handshake with `peer`; it finishes after the directory's latency."""
+    def start(self, peer: str, contact: str = "") -> None:
+        """Begin a handshake with `peer`; it finishes after the directory's latency (engines
+        are found by name here: `contact` is not needed)."""
         d = self._directory
         delay = d._latency
         if d._hangs[peer] > 0:

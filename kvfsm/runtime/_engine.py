@@ -62,8 +62,8 @@ class Directory(Protocol):
     """How an engine reaches its peers' handshake information (asynchronously: a real side channel
     runs handshakes off the engine's thread)."""
 
-    def start(self, peer: str) -> None:
-        """Begin a handshake with `peer`."""
+    def start(self, peer: str, contact: str = "") -> None:
+        """Begin a handshake with `peer`, at `contact` ("host:port") if the core learned one."""
         ...
 
     def results(self) -> list[tuple[str, PeerInfo | HandshakeError]]:
@@ -117,7 +117,7 @@ class Engine:
             PostTransfer: self._post,
             SendNotification: self._notify,
             CancelTransfer: lambda c: self._cancel(c.transfer_id),
-            StartHandshake: lambda c: self.directory.start(c.peer),
+            StartHandshake: lambda c: self.directory.start(c.peer, c.contact),
             RemoveAgent: lambda c: self._forget_peer(c.peer),
             Finished: self._finished,
         }

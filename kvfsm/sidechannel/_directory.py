@@ -58,8 +58,9 @@ class ZmqDirectory:
         with self._ready:
             return self._pending
 
-    def start(self, peer: str) -> None:
-        """Begin a handshake with agent `peer`; its result appears in `results()`."""
+    def start(self, peer: str, contact: str = "") -> None:
+        """Begin a handshake with agent `peer` at `contact` ("host:port"; else the address
+        `addresses` gives); its result appears in `results()`."""
         with self._ready:
             if self._closed:
                 self._done.append(
@@ -68,7 +69,7 @@ class ZmqDirectory:
                 self._ready.notify_all()
                 return
             self._pending += 1
-            future = self._pool.submit(self._handshake, peer)
+            future = self._pool.submit(self._handshake, peer, contact)
         future.add_done_callback(lambda f: self._finish(peer, f))
 
     def results(self) -> list[tuple[str, PeerInfo | HandshakeError]]:
@@ -82,19 +83,20 @@ class ZmqDirectory:
         with self._ready:
             return self._ready.wait_for(lambda: bool(self._done), timeout)
 
-    def _resolve(self, peer: str) -> tuple[str, int]:
+    def _resolve(self, peer: str, contact: str) -> tuple[str, int]:
         try:
-            if callable(self._addresses):
-                host, port = self._addresses(peer)
-            else:
-                host, port = self._addresses[peer]
+            if contact:
+                host, _, port = contact.rpartition(":")
+                return host.strip("[]"), int(port)
+            book = self._addresses
+            address = book(peer) if callable(book) else book[peer]
+            return address[0], int(address[1])
         except Exception as exc:
             raise HandshakeError(f"no side-channel address for {peer!r}: {exc!r}") from exc
-        return host, int(port)
 
-    def _handshake(self, peer: str) -> _Result:
+    def _handshake(self, peer: str, contact: str) -> _Result:
         # Runs on a pool thread; anything it raises becomes a failed handshake in `_finish`.
-        host, port = self._resolve(peer)
+        host, port = self._resolve(peer, contact)
         payload = fetch_payload(
             host,
             port,

@@ -58,11 +58,14 @@ class _Msg(msgspec.Struct, frozen=True, tag_field="k", forbid_unknown_fields=Tru
 
 class Registration(_Msg, frozen=True, tag="reg"):
     """D -> P: D's blocks for a request (push: write here; pull: I am about to read). Push: P
-    must not post a WRITE at or after `deadline` (D's clock), so D can bound its fence."""
+    must not post a WRITE at or after `deadline` (D's clock), so D can bound its fence.
+    `contact` is where D's side channel listens ("host:port", "" if P knows already): P
+    handshakes back with D there before it writes (push) or grants (pull)."""
 
     engine_id: str
     block_ids: bytes
     deadline: float
+    contact: str = ""
 
 
 class Grant(_Msg, frozen=True, tag="grant"):

@@ -351,6 +351,16 @@ def test_directory_reports_successes_and_failures(listener: HandshakeListener) -
         assert isinstance(result, HandshakeError) and text in str(result), (peer, result)
 
 
+def test_directory_handshakes_at_a_contact_it_is_given(listener: HandshakeListener) -> None:
+    # No address book entry for the agent: the contact the core learned is where to go.
+    with ZmqDirectory({}, compat_hash=HASH, wire_version=WIRE) as directory:
+        directory.start("prefill#1", f"{HOST}:{listener.port}")
+        directory.start("prefill#0", "not-an-address")
+        got = _collect(directory, 2)
+    assert got["prefill#1"] == _info(PAYLOADS["prefill#1"])
+    assert "no side-channel address for 'prefill#0'" in str(got["prefill#0"])
+
+
 def test_directory_checks_payloads(listener: HandshakeListener) -> None:
     def resolve(peer: str) -> tuple[str, int]:
         if peer.startswith("prefill"):
