@@ -47,8 +47,10 @@ class KvGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     mla: bool = False
     """Latent KV replicated on every TP rank: no head split."""
     kv_layout: str = "HND"
-    """Order inside a K/V segment: "HND" (heads, then tokens: a run of heads is contiguous, as a
-    head split between different TP sizes needs) or "NHD" (tokens, then heads: whole blocks only)."""
+    """Order inside a block: "HND" (K segment then V segment, each heads, then tokens: a run of
+    heads is contiguous, as a head split between different TP sizes needs), "NHD" (tokens, then
+    heads: whole blocks only), or "HNC" (heads, then tokens, then each token's K and V side by
+    side: vLLM's LBHNC layout; head runs are contiguous too)."""
 
     def __post_init__(self) -> None:
         problems = _problems(self)
@@ -76,24 +78,32 @@ class KvGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         return self.num_layers * self.regions_per_layer
 
     @property
-    def segments_per_block(self) -> int:
-        """K/V segments inside one block of a region: 2 for a joint non-MLA region, else 1."""
+    def values_per_token(self) -> int:
+        """Values a region holds per head and token: K and V (2), or one of them / the latent
+        KV (1) with split K/V or MLA."""
         return 1 if self.split_kv or self.mla else 2
 
     @property
+    def segments_per_block(self) -> int:
+        """Segments inside one block of a region: 2 (K, then V) for a joint HND/NHD region, else
+        1 (split K/V, MLA, or HNC where each token's K and V lie side by side)."""
+        return 1 if self.kv_layout == "HNC" else self.values_per_token
+
+    @property
     def head_bytes(self) -> int:
-        """Bytes of one head in one segment of one block."""
-        return self.block_size * self.head_dim * self.dtype_bytes
+        """Bytes of one head in one segment of one block (with HNC: its K and V together)."""
+        per_value = self.block_size * self.head_dim * self.dtype_bytes
+        return per_value * (self.values_per_token if self.kv_layout == "HNC" else 1)
 
     @property
     def segment_len(self) -> int:
-        """Bytes of one K or V segment of a block (all of this rank's heads)."""
+        """Bytes of one segment of a block (all of this rank's heads)."""
         return self.heads_per_rank * self.head_bytes
 
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token occupies in one region."""
-        return self.heads_per_rank * self.head_dim * self.dtype_bytes * self.segments_per_block
+        return self.heads_per_rank * self.head_dim * self.dtype_bytes * self.values_per_token
 
     @property
     def block_len(self) -> int:
@@ -137,8 +147,10 @@ def _problems(g: KvGeometry) -> list[str]:
             f"num_kv_heads={g.num_kv_heads} is not divisible by tp_size={g.tp_size}: every rank"
             " must hold an equal number of whole heads (replicated KV heads are not supported)"
         )
-    if g.kv_layout not in ("HND", "NHD"):
-        problems.append(f"kv_layout must be 'HND' or 'NHD', got {g.kv_layout!r}")
+    if g.kv_layout not in ("HND", "NHD", "HNC"):
+        problems.append(f"kv_layout must be 'HND', 'NHD' or 'HNC', got {g.kv_layout!r}")
+    elif g.kv_layout == "HNC" and g.split_kv:
+        problems.append("HNC keeps each token's K and V together: split_kv must be False")
     if g.mla and g.split_kv:
         problems.append("MLA keeps one latent KV region per layer: split_kv must be False")
     return problems

@@ -237,10 +237,10 @@ def _pairing(local: KvGeometry, remote: KvGeometry, local_k: int, remote_k: int)
             - first
         )
     whole = count == local.heads_per_rank == remote.heads_per_rank
-    if not whole and local.kv_layout != "HND":
+    if not whole and local.kv_layout == "NHD":
         raise ValueError(
-            f"TP {local.tp_size} and {remote.tp_size} exchange slices of heads, which needs the"
-            f" HND page layout on both sides; these use {local.kv_layout}"
+            f"TP {local.tp_size} and {remote.tp_size} exchange slices of heads, which needs a"
+            f" heads-first page layout (HND or HNC) on both sides; these use NHD"
         )
     # Whole-block rows only when both sides cut their blocks alike; otherwise every K and V
     # segment gets its own plane, which lines up a joint region with a split one too.

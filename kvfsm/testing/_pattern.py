@@ -65,19 +65,25 @@ def check_request(
     if tokens <= 0 or not ids.size:
         return PatternCheck(0, 0)
     compared = wrong = 0
+    order = _ORDER[kv.geometry.kv_layout]
+    back = np.argsort(order)
     for view, units, expected in _planes(kv, seed, ids, unit_tokens, first_token, tokens):
-        got = _token_major(view[units])[:, :, :tokens]
-        want = _token_major(expected)[:, :, :tokens]
+        got = _token_major(view[units].transpose(back))[:, :, :tokens]
+        want = _token_major(expected.transpose(back))[:, :, :tokens]
         compared += got.size
         wrong += int(np.count_nonzero(got != want))
     return PatternCheck(compared, wrong)
 
 
+# Axis order in memory of (units, K/V, heads, unit tokens, row bytes), per page layout.
+_ORDER = {"HND": (0, 1, 2, 3, 4), "NHD": (0, 1, 3, 2, 4), "HNC": (0, 2, 3, 1, 4)}
+
+
 def _planes(
     kv: KvCache, seed: int, ids: npt.NDArray[np.int64], unit_tokens: int, first: int, tokens: int
 ) -> list[tuple[_U8, npt.NDArray[np.int64], _U8]]:
-    """Per region: a (units, segments, heads, unit tokens, row bytes) view of its memory, the
-    units holding the request's tokens, and the bytes they must hold."""
+    """Per region: a view of its memory in the page layout's axis order, the units holding the
+    request's tokens, and the bytes they must hold (in the same order)."""
     g = kv.geometry
     if g.block_size % unit_tokens:
         raise ValueError(
@@ -91,21 +97,25 @@ def _planes(
     token_rows = _mix(positions * 1_000_003 + seed, 1)[:, None] + _mix(np.arange(row), 2)[None, :]
     token_rows = token_rows.reshape(n_units, unit_tokens, row)
     heads = g.first_head + np.arange(g.heads_per_rank, dtype=np.int64)
+    order = _ORDER[g.kv_layout]
     out = []
     for region, memory in enumerate(kv.regions()):
         layer = region // g.regions_per_layer
         kvs = [region % 2] if g.split_kv else [0] if g.mla else [0, 1]
-        segment_heads = _mix(np.array([layer * 2 + s for s in kvs]), 3)[:, None] + _mix(heads, 4)
-        expected = token_rows[:, None, None, :, :] + segment_heads[None, :, :, None, None]
-        shape = (g.num_blocks * k, len(kvs), g.heads_per_rank, unit_tokens, row)
-        out.append((memory.reshape(shape), units, expected.astype(np.uint8, copy=False)))
+        kv_heads = _mix(np.array([layer * 2 + s for s in kvs]), 3)[:, None] + _mix(heads, 4)
+        # Canonical (units, K/V, heads, unit tokens, row bytes), then memory order.
+        expected = token_rows[:, None, None, :, :] + kv_heads[None, :, :, None, None]
+        canonical = (g.num_blocks * k, len(kvs), g.heads_per_rank, unit_tokens, row)
+        shape = tuple(canonical[i] for i in order)
+        view = memory.reshape(shape)
+        out.append((view, units, expected.astype(np.uint8, copy=False).transpose(order)))
     return out
 
 
 def _token_major(units: _U8) -> _U8:
-    """(units, segments, heads, unit tokens, row) -> (segments, heads, tokens, row)."""
-    n, segs, heads, ut, row = units.shape
-    return units.transpose(1, 2, 0, 3, 4).reshape(segs, heads, n * ut, row)
+    """(units, K/V, heads, unit tokens, row) -> (K/V, heads, tokens, row)."""
+    n, kvs, heads, ut, row = units.shape
+    return units.transpose(1, 2, 0, 3, 4).reshape(kvs, heads, n * ut, row)
 
 
 def _mix(values: npt.NDArray[np.int64], salt: int) -> _U8:

@@ -57,6 +57,10 @@ def _element(
     """Index (in uint32s) of one element, with blocks cut into k sub-blocks."""
     g = layout.geometry
     region, seg = (layer * 2 + kv, 0) if g.split_kv else (layer, kv)
+    if g.kv_layout == "HNC":  # heads, then tokens, then the token's K and V side by side
+        inner = ((slot * g.values_per_token + kv) * g.head_dim + dim) * g.dtype_bytes
+        addr = layout.base_addresses[region] + unit * (g.block_len // k)
+        return (addr + head * (g.head_bytes // k) + inner) // 4
     addr = (
         layout.base_addresses[region]
         + unit * (g.block_len // k)
@@ -86,12 +90,14 @@ def _cells(layout: RegionLayout, k: int, units: npt.NDArray[np.int64], small_bs:
 
 
 def _run(
-    p_tp: int, d_tp: int, p_bs: int, d_bs: int, p_split: bool, d_split: bool, mla: bool, pull: bool
-) -> int:
+    p_tp: int, d_tp: int, p_bs: int, d_bs: int, p_split: bool, d_split: bool, mla: bool, pull: bool,
+    kv_layout: str = "HND",
+) -> int:  # fmt: skip
     heads = 1 if mla else 12
     common: dict[str, Any] = dict(
-        num_layers=_LAYERS, num_kv_heads=heads, head_dim=_HEAD_DIM, dtype_bytes=4, mla=mla
-    )
+        num_layers=_LAYERS, num_kv_heads=heads, head_dim=_HEAD_DIM, dtype_bytes=4, mla=mla,
+        kv_layout=kv_layout,
+    )  # fmt: skip
     p_geo = KvGeometry(**common, block_size=p_bs, num_blocks=8, tp_size=p_tp, split_kv=p_split)
     d_geo = KvGeometry(**common, block_size=d_bs, num_blocks=9, tp_size=d_tp, split_kv=d_split)
     mem = _Memory()
@@ -158,6 +164,14 @@ def test_mla_replica_lands_on_every_rank(
     p_tp: int, d_tp: int, p_bs: int, d_bs: int, pull: bool
 ) -> None:
     _run(p_tp, d_tp, p_bs, d_bs, False, False, mla=True, pull=pull)
+
+
+@pytest.mark.parametrize("pull", [True, False], ids=["pull", "push"])
+@pytest.mark.parametrize(("p_bs", "d_bs"), _BLOCKS, ids=lambda v: str(v))
+@pytest.mark.parametrize(("p_tp", "d_tp"), _TP, ids=lambda v: str(v))
+def test_hnc_pages_land_in_place(p_tp: int, d_tp: int, p_bs: int, d_bs: int, pull: bool) -> None:
+    # vLLM's LBHNC block interior: each head's tokens, each token's K and V side by side.
+    _run(p_tp, d_tp, p_bs, d_bs, False, False, mla=False, pull=pull, kv_layout="HNC")
 
 
 def test_equal_geometry_coalesces_to_few_descriptors() -> None:

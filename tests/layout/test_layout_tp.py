@@ -195,11 +195,11 @@ def test_nhd_pages_move_whole_blocks_only() -> None:
     # slice does not, and the two sides must agree on the page layout.
     (pairing,) = plan_pairings(_geo(2, 1, kv_layout="NHD"), _geo(2, kv_layout="NHD")).pairings
     assert pairing.local_span == (0, 16) and pairing.remote_rank == 1
-    with pytest.raises(ValueError, match="needs the HND page layout on both sides"):
+    with pytest.raises(ValueError, match=r"needs a heads-first page layout \(HND or HNC\)"):
         plan_pairings(_geo(2, kv_layout="NHD"), _geo(1, kv_layout="NHD"))
     with pytest.raises(ValueError, match=r"kv_layout differs: 'NHD' \(local\) vs 'HND'"):
         check_compatible(_geo(1, kv_layout="NHD"), _geo(1))
-    with pytest.raises(ValueError, match="kv_layout must be 'HND' or 'NHD', got 'XYZ'"):
+    with pytest.raises(ValueError, match="kv_layout must be 'HND', 'NHD' or 'HNC', got 'XYZ'"):
         _geo(1, kv_layout="XYZ")
 
 

@@ -159,3 +159,17 @@ def test_kv_cache_takes_one_buffer_or_one_per_region() -> None:
         KvCache(g, [np.zeros(8, dtype=np.uint8)])
     with pytest.raises(TypeError, match="contiguous 1-D numpy uint8"):
         KvCache(g, [np.zeros((2, g.kv_bytes // 2), dtype=np.uint8)])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1), (2, 4)])
+def test_hnc_pages_move_head_slices_between_tp_sizes(mode: Mode, p_tp: int, d_tp: int) -> None:
+    # vLLM's CPU layout: each head's tokens with K and V side by side; a head run is contiguous.
+    geometry = msgspec.structs.replace(SIM_GEOMETRY, kv_layout="HNC")
+    cluster = SimCluster(mode, p_tp=p_tp, d_tp=d_tp, geometry=geometry, d_block_size=8)
+    prs = [cluster.admit(f"r{i}", 5, d_cached=i % 2) for i in range(4)]
+    for pr in prs:
+        cluster.finish_prefill(pr.key)
+    _settle(cluster)
+    assert all(set(pr.final.values()) == {"done"} for pr in prs)
+    assert cluster.ledger.verified_bytes > 0
