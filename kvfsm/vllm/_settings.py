@@ -1,0 +1,91 @@
+"""`KvfsmSettings`: everything `kv_connector_extra_config` may set, with its default and why."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from kvfsm.core import CoreConfig, Mode
+
+__all__ = ["KvfsmSettings", "SettingsError"]
+
+
+class SettingsError(ValueError):
+    """`kv_connector_extra_config` is wrong; the message names the setting and what is allowed."""
+
+
+class KvfsmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The connector's settings, read from `kv_connector_extra_config` (unknown keys are refused,
+    so a misspelt setting fails at start-up instead of being ignored)."""
+
+    mode: Mode = "pull"
+    """"pull" (D READs P's blocks, vLLM's NixlConnector) or "push" (P WRITEs into D's blocks,
+    vLLM's NixlPushConnector). Both engines must run the same mode; the handshake checks it."""
+    side_channel_host: str = "127.0.0.1"
+    """Where this engine's handshake listener binds, and the address it advertises to peers (in
+    P's transfer params and D's registrations). Loopback by default: set a routable address to
+    serve peers on other hosts."""
+    side_channel_port: int = 5600
+    """The listener's port; data-parallel rank `i` listens on `side_channel_port + i`."""
+    handshake_timeout_s: float = 10.0
+    """A handshake that has not answered by then fails its requests (their blocks reported
+    invalid on D)."""
+    lease_s: float = 30.0
+    watchdog_s: float = 30.0
+    stall_s: float = 10.0
+    producer_stall_s: float = 20.0
+    fence_s: float = 30.0
+    heartbeat_s: float = 5.0
+    pending_registration_ttl_s: float = 30.0
+    max_pending_registrations: int = 65536
+    trace: bool = True
+    """Keep each request's transition history: time in state in the stats (costs ~1 us/event)."""
+    poll_min_us: float = 20.0
+    """The engine loop polls NIXL this soon after activity, backing off to `poll_max_us`."""
+    poll_max_us: float = 1000.0
+    drain_s: float = 5.0
+    """At shutdown, let live transfers end this long before closing the NIXL agent."""
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> KvfsmSettings:
+        """Settings from `kv_connector_extra_config`; `SettingsError` says what is wrong."""
+        try:
+            settings = msgspec.convert(dict(extra or {}), cls, strict=False)
+        except msgspec.ValidationError as exc:
+            known = ", ".join(cls.__struct_fields__)
+            raise SettingsError(f"kv_connector_extra_config: {exc} (settings: {known})") from None
+        settings._check()
+        return settings
+
+    def _check(self) -> None:
+        problems = []
+        if self.mode not in ("push", "pull"):
+            problems.append(f"mode must be 'push' or 'pull', not {self.mode!r}")
+        if not 0 < self.side_channel_port < 65536:
+            problems.append(f"side_channel_port must be 1..65535, not {self.side_channel_port}")
+        if self.handshake_timeout_s <= 0 or self.drain_s < 0:
+            problems.append("handshake_timeout_s must be > 0 and drain_s >= 0")
+        if not 0 < self.poll_min_us <= self.poll_max_us:
+            problems.append("need 0 < poll_min_us <= poll_max_us")
+        try:
+            self.core_config()
+        except ValueError as exc:
+            problems.append(str(exc))
+        if problems:
+            raise SettingsError("kv_connector_extra_config: " + "; ".join(problems))
+
+    def core_config(self) -> CoreConfig:
+        """The deadlines and bounds of the core."""
+        return CoreConfig(
+            lease_s=self.lease_s,
+            watchdog_s=self.watchdog_s,
+            stall_s=self.stall_s,
+            producer_stall_s=self.producer_stall_s,
+            fence_s=self.fence_s,
+            heartbeat_s=self.heartbeat_s,
+            pending_registration_ttl_s=self.pending_registration_ttl_s,
+            max_pending_registrations=self.max_pending_registrations,
+            trace=self.trace,
+        )

@@ -1,0 +1,169 @@
+"""The connector's worker half: one kvfsm engine (core, NIXL agent, engine loop) per worker rank.
+
+vLLM calls it from the model runner's thread; the engine runs on its own loop thread. What the
+core reports (blocks released, received, failed; finished traces) is gathered here under a lock
+and handed to vLLM at its next `get_finished` / `get_block_ids_with_load_errors` /
+`get_kv_connector_stats`.
+
+The failure contract: the core reports a failed load (`ReportFailed`, with the request's blocks)
+before it lets the blocks go (`ReleaseBlocks`), and both land here in that order, so a load's
+invalid blocks are always handed to vLLM no later than the step that reports it finished.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future
+from typing import Any
+
+from kvfsm.core import Consumer, Identity, Producer, ReleaseBlocks, ReportFailed, ReportReceived
+from kvfsm.fabric import NixlFabric, buffer_span
+from kvfsm.layout import KvGeometry
+from kvfsm.runtime import CallerOutput, Engine, EngineLoop, KvCache, RequestTrace
+from kvfsm.sidechannel import HandshakePayload, ZmqDirectory, compat_hash, payload_of, validate
+from kvfsm.vllm._scheduler import ConnectorStep
+from kvfsm.vllm._settings import KvfsmSettings
+from kvfsm.vllm._stats import StatsWindow
+
+__all__ = ["WIRE_VERSION", "WorkerSide"]
+
+WIRE_VERSION = 1
+_log = logging.getLogger("vllm.kvfsm")  # under vLLM's logging configuration
+
+
+class WorkerSide:
+    """The worker half of one rank: created at `register_kv_caches`, closed at `shutdown`."""
+
+    def __init__(
+        self, settings: KvfsmSettings, *, is_producer: bool, identity: Identity, model: str,
+        dtype: str,
+    ) -> None:  # fmt: skip
+        self.settings = settings
+        self.is_producer = is_producer
+        self.identity = identity
+        self._model, self._dtype = model, dtype
+        self.counters: Counter[str] = Counter()
+        self.engine: Engine | None = None
+        self.loop: EngineLoop | None = None
+        self.payload: HandshakePayload | None = None
+        self._directory: ZmqDirectory | None = None
+        self._lock = threading.Lock()
+        self._awaited: set[str] = set()  # guarded by _lock
+        self._sending: set[str] = set()  # guarded by _lock
+        self._recving: set[str] = set()  # guarded by _lock
+        self._invalid: set[int] = set()  # guarded by _lock
+        self._stats = StatsWindow()  # guarded by _lock
+
+    def start(self, geometry: KvGeometry, buffers: list[Any]) -> None:
+        """Register the KV cache with a NIXL agent and start the engine loop."""
+        s, me = self.settings, self.identity
+        mem_type = buffer_span(buffers[0]).mem_type
+        core = (Producer if self.is_producer else Consumer)(me, s.mode, s.core_config())
+        fabric = NixlFabric(me.agent, mem_type=mem_type)
+        try:
+            kv = KvCache(geometry, buffers)
+            chash = compat_hash(
+                wire_version=WIRE_VERSION, mode=s.mode, model=self._model, dtype=self._dtype,
+                geometry=geometry.for_rank(0),
+            )  # fmt: skip
+            check = functools.partial(
+                validate, expect_mode=s.mode, local=geometry, local_is_p=self.is_producer
+            )
+            self._directory = ZmqDirectory(
+                {}, compat_hash=chash, wire_version=WIRE_VERSION,
+                timeout_s=s.handshake_timeout_s, check=check,
+            )  # fmt: skip
+            self.engine = Engine(core, fabric, kv, self._directory, time.monotonic)
+            self.payload = payload_of(self.engine, compat_hash=chash, wire_version=WIRE_VERSION)
+        except BaseException:
+            self._close_parts(fabric)
+            raise
+        self.loop = EngineLoop(
+            self.engine, self._on_output, poll_min_s=s.poll_min_us * 1e-6,
+            poll_max_s=s.poll_max_us * 1e-6, name=f"kvfsm-{me.agent}",
+        )  # fmt: skip
+        self._directory.on_result = self.loop.wake
+        self.loop.start()
+        _log.info("kvfsm %s started: %r, %s", me.agent, kv, s.mode)
+
+    # --- per step, from vLLM's thread ----------------------------------------------------------
+
+    def apply(self, step: ConnectorStep) -> None:
+        """Hand this step's events to the engine (in order; the loop thread runs them)."""
+        if self.loop is None:
+            if step.events:
+                raise RuntimeError("kvfsm: events before register_kv_caches")
+            return
+        for event, awaited in step.events:
+            if awaited:
+                with self._lock:
+                    self._awaited.add(event.request_id)  # type: ignore[union-attr]
+            self.loop.submit(event).add_done_callback(self._refused)
+
+    def finished(self) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose sending / receiving ended since the last call."""
+        with self._lock:
+            sending, self._sending = self._sending, set()
+            recving, self._recving = self._recving, set()
+        return sending or None, recving or None
+
+    def load_errors(self) -> set[int]:
+        """Blocks of failed loads since the last call."""
+        with self._lock:
+            invalid, self._invalid = self._invalid, set()
+        return invalid
+
+    def stats(self) -> dict[str, Any] | None:
+        """Stats since the last call, or None if nothing happened."""
+        with self._lock:
+            window, self._stats = self._stats, StatsWindow()
+        return None if window.empty else window.data()
+
+    # --- from the loop thread --------------------------------------------------------------------
+
+    def _on_output(self, output: CallerOutput) -> None:
+        _log.debug("kvfsm %s: %r", self.identity.agent, output)
+        with self._lock:
+            if isinstance(output, RequestTrace):
+                self._stats.add(output)
+                return
+            if not isinstance(output, ReleaseBlocks | ReportReceived | ReportFailed):
+                return
+            rid = output.request_id
+            if rid not in self._awaited:
+                return  # vLLM freed these blocks itself (an abort before P finished, a hit)
+            if isinstance(output, ReportFailed):
+                self._invalid.update(int(b) for b in output.blocks)
+                return
+            self._awaited.discard(rid)
+            (self._sending if self.is_producer else self._recving).add(rid)
+
+    def _refused(self, future: Future[None]) -> None:
+        exc = future.exception()
+        if exc is not None:  # e.g. an abort for a request that already ended: harmless
+            with self._lock:
+                self.counters["refused_events"] += 1
+            _log.warning("kvfsm: event refused: %s", exc)
+
+    def close(self) -> None:
+        """Let live transfers end (`drain_s`), then release every NIXL resource."""
+        if self.loop is not None:
+            try:
+                self.loop.stop(drain_s=self.settings.drain_s)
+            except TimeoutError as exc:
+                _log.warning("kvfsm: %s", exc)
+            engine = self.loop.engine
+            counts = engine.counters + engine.side.counters + self.counters
+            _log.info("kvfsm %s closed: %s", self.identity.agent, dict(sorted(counts.items())))
+        self._close_parts(self.engine.fabric if self.engine else None)
+
+    def _close_parts(self, fabric: NixlFabric | Any | None) -> None:
+        if self._directory is not None:
+            self._directory.close()
+            self._directory = None
+        if fabric is not None:
+            fabric.close()

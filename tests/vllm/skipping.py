@@ -1,0 +1,23 @@
+"""A negative control for the end-to-end tests: a D connector that reports every load finished
+without moving a byte. Served tokens then come from whatever D's blocks held, so a test that
+cannot tell this connector from the real one proves nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvfsm.core import Admit
+from kvfsm.vllm import KvfsmConnector, KvfsmMetadata
+
+
+class SkippingKvfsmConnector(KvfsmConnector):
+    """`KvfsmConnector` whose D worker skips every transfer and claims success."""
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvfsmMetadata)
+        worker = self._need_worker()
+        for event, awaited in meta.step.events:
+            if awaited and isinstance(event, Admit):
+                with worker._lock:
+                    worker._recving.add(event.request_id)
