@@ -216,8 +216,10 @@ class Consumer(Side):
     def _req_cmd_send_cancel(self, req: Request) -> None:
         me = self.identity
         for link in req.links.values():
-            if self._connected((link.agent,)):
-                self._send(link.agent, Cancel(link.request_id, req.id, me.rank, me.tp_size))
+            # Queued until connected if the handshake is still under way: P then lets go of its
+            # blocks at once instead of holding them for its lease.
+            cancel = Cancel(link.request_id, req.id, me.rank, me.tp_size, me.contact)
+            self._reply(link.agent, cancel)
 
     def _req_cmd_post_transfer(self, req: Request) -> None:
         me = self.identity

@@ -141,6 +141,8 @@ class Producer(Side):
 
     def _on_cancel(self, msg: Cancel, sender: str) -> None:
         key = (sender, msg.sender_request_id)
+        if msg.contact:
+            self._peer_of(sender, msg.contact)  # where to acknowledge, if D never registered
         # Whatever happens below, P acknowledges; a registration this cancel overtook (the
         # network reorders) must then never be matched.
         self._consumed.add(_consumer_key(*key), _CANCELLED)

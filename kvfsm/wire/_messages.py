@@ -91,7 +91,10 @@ class Failure(_Msg, frozen=True, tag="fail"):
 
 
 class Cancel(_Msg, frozen=True, tag="cancel"):
-    """D -> P: D gave up on the request; push: do not write; pull: nothing is reading."""
+    """D -> P: D gave up on the request; push: do not write; pull: nothing is reading.
+    `contact` as in `Registration` (a cancel may be the first message P gets from D)."""
+
+    contact: str = ""
 
 
 class CancelAck(_Msg, frozen=True, tag="ack"):
