@@ -154,7 +154,9 @@ class SchedulerSide:
                 params["do_remote_prefill"] = False
                 self._admit_load(rid, params, [])
             elif rid in self._awaited:  # still loading: abort; vLLM frees on finished_recving
-                self._events.append((Abort(rid), True))
+                # (the worker already waits to report it: the abort adds nothing to wait for,
+                # and the load may even have been reported in this very step)
+                self._events.append((Abort(rid), False))
             return False, None
         if rid not in self._admitted:
             return False, None

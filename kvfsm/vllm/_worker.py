@@ -17,10 +17,20 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from kvfsm.core import Consumer, Identity, Producer, ReleaseBlocks, ReportFailed, ReportReceived
+from kvfsm.core import (
+    Admit,
+    Consumer,
+    Event,
+    Identity,
+    Producer,
+    ReleaseBlocks,
+    ReportFailed,
+    ReportReceived,
+)
 from kvfsm.fabric import NixlFabric, buffer_span
 from kvfsm.layout import KvGeometry
 from kvfsm.runtime import CallerOutput, Engine, EngineLoop, KvCache, RequestTrace
@@ -57,6 +67,8 @@ class WorkerSide:
         self._recving: set[str] = set()  # guarded by _lock
         self._invalid: set[int] = set()  # guarded by _lock
         self._stats = StatsWindow()  # guarded by _lock
+        self.on_report: Callable[[], None] | None = None
+        """Called (on the loop thread) when something for vLLM's next step arrived."""
 
     def start(self, geometry: KvGeometry, buffers: list[Any]) -> None:
         """Register the KV cache with a NIXL agent and start the engine loop."""
@@ -102,7 +114,7 @@ class WorkerSide:
             if awaited:
                 with self._lock:
                     self._awaited.add(event.request_id)  # type: ignore[union-attr]
-            self.loop.submit(event).add_done_callback(self._refused)
+            self.loop.submit(event).add_done_callback(functools.partial(self._refused, event))
 
     def finished(self) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose sending / receiving ended since the last call."""
@@ -138,16 +150,30 @@ class WorkerSide:
                 return  # vLLM freed these blocks itself (an abort before P finished, a hit)
             if isinstance(output, ReportFailed):
                 self._invalid.update(int(b) for b in output.blocks)
-                return
-            self._awaited.discard(rid)
-            (self._sending if self.is_producer else self._recving).add(rid)
+            else:
+                self._awaited.discard(rid)
+                (self._sending if self.is_producer else self._recving).add(rid)
+        if self.on_report is not None:
+            self.on_report()
 
-    def _refused(self, future: Future[None]) -> None:
+    def _refused(self, event: Event, future: Future[None]) -> None:
+        """The core refused an event (e.g. an abort of a request that already ended: harmless).
+        If vLLM waits on the request and the core does not hold it, report it now, failed on
+        D, so that nothing is held forever."""
         exc = future.exception()
-        if exc is not None:  # e.g. an abort for a request that already ended: harmless
-            with self._lock:
-                self.counters["refused_events"] += 1
-            _log.warning("kvfsm: event refused: %s", exc)
+        if exc is None:
+            return
+        rid = event.request_id  # type: ignore[union-attr]
+        engine = self.engine
+        with self._lock:
+            self.counters["refused_events"] += 1
+            orphan = rid in self._awaited and (engine is None or rid not in engine.side.requests)
+            if orphan:
+                self._awaited.discard(rid)
+                if isinstance(event, Admit):
+                    self._invalid.update(int(b) for b in event.blocks)
+                (self._sending if self.is_producer else self._recving).add(rid)
+        _log.log(logging.WARNING if orphan else logging.DEBUG, "kvfsm: %r refused: %s", event, exc)
 
     def close(self) -> None:
         """Let live transfers end (`drain_s`), then release every NIXL resource."""

@@ -1,0 +1,259 @@
+"""The connector's contract with vLLM's scheduler, for push and pull: a real vLLM `Scheduler` per
+engine with `KvfsmConnector`'s scheduler half, and its worker half in-process over real NIXL
+agents and ZMQ on loopback; only the model is fake (one sampled token per step, no forward).
+
+Every test ends with both schedulers holding no request and no block, and both connectors
+holding no request state."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from sched_harness import (
+    Driver,
+    EngineStepResult,
+    WorkerStub,
+    assert_no_leak,
+    describe,
+    make_cpu_kv_caches,
+    make_request,
+    make_scheduler,
+    make_vllm_config,
+    make_worker_connector,
+    tiny_model_dir,
+)
+from vllm.v1.engine import FinishReason
+from vllm.v1.request import RequestStatus
+
+from kvfsm.vllm import KvfsmConnector
+
+MODES = ["push", "pull"]
+PROMPT = list(range(100, 170))  # 70 tokens: two full blocks of 32 and a partial third
+_BOUND_S = 30.0
+_FAST = {"lease_s": 60.0, "watchdog_s": 60.0, "fence_s": 60.0}  # only a protocol event ends a wait
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_dir(tmp_path_factory)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Engine:
+    """One vLLM engine in-process: its scheduler (with the connector's scheduler half) and one
+    worker rank (the worker half, real NIXL, the CPU KV tensors it registered)."""
+
+    def __init__(self, model_dir: Path, role: str, extra: dict[str, Any], policy: str) -> None:
+        config = {
+            "kv_connector": "KvfsmConnector", "kv_connector_module_path": "kvfsm.vllm",
+            "kv_role": role, "kv_connector_extra_config": extra | {"side_channel_port": _free_port()},
+        }  # fmt: skip
+        vllm_config = make_vllm_config(model_dir, config, kv_load_failure_policy=policy)  # type: ignore[arg-type]
+        self.scheduler = make_scheduler(vllm_config, 64)
+        self.worker = make_worker_connector(self.scheduler)
+        self.kv = make_cpu_kv_caches(self.scheduler)
+        self.worker.register_kv_caches(self.kv)
+        self.connector = self.scheduler.connector
+        assert isinstance(self.connector, KvfsmConnector)
+        assert isinstance(self.worker, KvfsmConnector)
+        self.connector.set_xfer_handshake_metadata({0: self.worker.get_handshake_metadata()})
+        self.driver = Driver(self.scheduler, [WorkerStub(self.worker, self.kv)])
+
+    def blocks(self, rid: str) -> list[int]:
+        (ids,) = self.scheduler.kv_cache_manager.get_block_ids(rid)
+        return list(ids)
+
+    def assert_idle(self) -> None:
+        """No request left in the scheduler, its blocks, the connector or the core."""
+        self.driver.drain()
+        assert_no_leak(self.scheduler)
+        sched, worker = self.connector._sched, self.worker._worker
+        assert sched is not None and worker is not None and worker.loop is not None
+        assert not sched._awaited and not sched._admitted
+        assert not worker._awaited
+        live = worker.loop.call(lambda e: dict(e.side.requests)).result(_BOUND_S)
+        assert not live, f"the core still holds {live}"
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.connector.shutdown()
+
+
+class Pair:
+    """A P and a D engine stepped in turn, as their engine cores would, waiting (on an event)
+    for the workers' reports when neither has work to do."""
+
+    def __init__(self, model_dir: Path, mode: str, policy: str, p_extra: dict[str, Any]) -> None:
+        self.progress = threading.Event()
+        self.p = Engine(model_dir, "kv_producer", {"mode": mode, **_FAST, **p_extra}, policy)
+        self.d = Engine(model_dir, "kv_consumer", {"mode": mode, **_FAST}, policy)
+        for engine in (self.p, self.d):
+            worker = engine.worker._worker
+            assert worker is not None
+            worker.on_report = self.progress.set
+        torch.manual_seed(0)
+        for tensor in self.p.kv.values():
+            tensor.copy_(torch.rand_like(tensor))
+
+    def settle(self, done: Callable[[], bool], what: str) -> None:
+        """Step both engines until `done()`; fail saying `what` did not happen."""
+        for _ in range(10_000):
+            self.progress.clear()
+            busy = [_did_work(e.driver.step()) for e in (self.p, self.d)]
+            if done():
+                return
+            if not any(busy) and not self.progress.wait(_BOUND_S):
+                break
+        pytest.fail(f"{what} did not happen; P: {describe(self.p.scheduler)};"
+                    f" D: {describe(self.d.scheduler)}")  # fmt: skip
+
+    def prefill(self, rid: str, prompt: list[int] = PROMPT) -> dict[str, Any]:
+        """Run a prefill on P; its params for D."""
+        self.p.driver.add(
+            make_request(rid, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        )
+        self.settle(lambda: rid in self.p.driver.finished(), f"P finishing {rid}")
+        (params,) = [r.kv_transfer_params[rid] for r in self.p.driver.history if rid in r.finished]
+        assert params is not None and params["remote_request_id"] == rid
+        return dict(params)
+
+    def decode(self, rid: str, params: dict[str, Any], prompt: list[int] = PROMPT) -> None:
+        self.d.driver.add(make_request(rid, prompt, max_tokens=3, kv_transfer_params=params))
+
+    def assert_idle(self) -> None:
+        self.p.assert_idle()
+        self.d.assert_idle()
+
+    def close(self) -> None:
+        self.d.close()
+        self.p.close()
+
+
+def _did_work(result: EngineStepResult) -> bool:
+    out = result.scheduler_output
+    kv = result.kv_connector_output
+    moved = kv is not None and bool(
+        kv.finished_sending or kv.finished_recving or kv.invalid_block_ids
+    )
+    return bool(out and out.total_num_scheduled_tokens) or bool(result.finished) or moved
+
+
+@contextmanager
+def pair(model_dir: Path, mode: str, policy: str = "fail", **p_extra: Any) -> Iterator[Pair]:
+    engines = Pair(model_dir, mode, policy, p_extra)
+    try:
+        yield engines
+    finally:
+        engines.close()
+
+
+def _same_kv(p: Engine, p_blocks: list[int], d: Engine, d_blocks: list[int]) -> bool:
+    return all(torch.equal(p.kv[n][p_blocks], d.kv[n][d_blocks]) for n in p.kv)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_p_holds_blocks_until_sent_and_d_waits_then_runs(model_dir: Path, mode: str) -> None:
+    with pair(model_dir, mode) as e:
+        params = e.prefill("p-1")
+        assert params["transfer_mode"] == mode and params["remote_block_ids"] == e.p.blocks("p-1")
+        p_blocks = params["remote_block_ids"]
+        assert e.p.scheduler.requests["p-1"].is_finished()  # finished, blocks held: delay_free
+        e.decode("d-1", params)
+        e.d.driver.step()
+        assert e.d.scheduler.requests["d-1"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        d_blocks = e.d.blocks("d-1")
+        e.settle(lambda: "d-1" in e.d.driver.finished(), "D finishing")
+        assert e.d.driver.finished()["d-1"] == FinishReason.LENGTH
+        assert _same_kv(e.p, p_blocks, e.d, d_blocks)
+        e.settle(lambda: "p-1" not in e.p.scheduler.requests, "P freeing its blocks")
+        e.assert_idle()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_d_aborted_before_scheduling_releases_p_at_once(model_dir: Path, mode: str) -> None:
+    with pair(model_dir, mode) as e:
+        params = e.prefill("p-1")
+        e.decode("d-1", params)
+        e.d.driver.abort("d-1")  # never scheduled: D tells P to let go (P's lease is 60 s)
+        e.settle(lambda: "p-1" not in e.p.scheduler.requests, "P freeing its blocks")
+        e.assert_idle()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_d_aborted_during_the_transfer_releases_both(model_dir: Path, mode: str) -> None:
+    with pair(model_dir, mode) as e:
+        params = e.prefill("p-1")
+        e.decode("d-1", params)
+        e.d.driver.step(abort_during_step=["d-1"])  # its Admit reached the worker this step
+        assert e.d.scheduler.requests["d-1"].is_finished()  # blocks held until the load ends
+        e.settle(lambda: "d-1" not in e.d.scheduler.requests, "D freeing the aborted load")
+        e.settle(lambda: "p-1" not in e.p.scheduler.requests, "P freeing its blocks")
+        e.assert_idle()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_p_aborted_before_its_prefill_finishes(model_dir: Path, mode: str) -> None:
+    with pair(model_dir, mode) as e:
+        params = {"do_remote_decode": True}
+        e.p.driver.add(make_request("p-1", PROMPT, max_tokens=1, kv_transfer_params=params))
+        step = e.p.driver.step(abort_during_step=["p-1"])  # arrives while the prefill runs
+        assert step.aborted == ["p-1"] and "p-1" not in e.p.scheduler.requests  # freed at once
+        assert not step.kv_transfer_params.get("p-1")  # no params: no D can come for it
+        e.assert_idle()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_d_prefix_cache_hit_loads_only_the_rest(model_dir: Path, mode: str) -> None:
+    with pair(model_dir, mode) as e:
+        e.d.driver.add(make_request("local", PROMPT, max_tokens=1))  # caches PROMPT's full blocks
+        e.settle(lambda: "local" in e.d.driver.finished(), "the local request")
+        params = e.prefill("p-1")
+        e.decode("d-1", params)
+        e.d.driver.step()
+        d_blocks = e.d.blocks("d-1")
+        e.settle(lambda: "d-1" in e.d.driver.finished(), "D finishing")
+        assert _same_kv(e.p, params["remote_block_ids"][-1:], e.d, d_blocks[-1:])
+        assert not _same_kv(e.p, params["remote_block_ids"][:1], e.d, d_blocks[:1])
+        e.settle(lambda: "p-1" not in e.p.scheduler.requests, "P freeing its blocks")
+        e.assert_idle()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_failed_load_is_reported_as_invalid_blocks(
+    model_dir: Path, mode: str, policy: str
+) -> None:
+    # P's lease runs out before D comes: D's load must fail, never read reused blocks.
+    with pair(model_dir, mode, policy, lease_s=0.2, heartbeat_s=0.1) as e:
+        params = e.prefill("p-1")
+        e.settle(lambda: "p-1" not in e.p.scheduler.requests, "P's lease expiring")
+        e.decode("d-1", params)
+        steps: list[tuple[set[int], set[str]]] = []  # per D step: invalid blocks, loads ended
+
+        def failed() -> bool:
+            kv = e.d.driver.history[-1].kv_connector_output
+            if kv is not None:
+                steps.append((set(kv.invalid_block_ids or ()), set(kv.finished_recving or ())))
+            return "d-1" in e.d.driver.finished()
+
+        e.d.driver.step()
+        d_blocks = e.d.blocks("d-1")
+        e.settle(failed, "D failing the load")
+        ended = next(i for i, (_, recving) in enumerate(steps) if "d-1" in recving)
+        # Every block of the load is reported invalid no later than the step that ends it.
+        assert set(d_blocks) <= set().union(*(invalid for invalid, _ in steps[: ended + 1]))
+        expected = FinishReason.LENGTH if policy == "recompute" else FinishReason.ERROR
+        assert e.d.driver.finished()["d-1"] == expected
+        e.assert_idle()
