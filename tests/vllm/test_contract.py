@@ -7,6 +7,7 @@ holding no request state."""
 
 from __future__ import annotations
 
+import functools
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from sched_harness import (
     Driver,
     EngineStepResult,
@@ -32,7 +34,7 @@ from sched_harness import (
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
-from kvfsm.vllm import KvfsmConnector
+from kvfsm.vllm import KvfsmConnector, KvfsmStats
 
 MODES = ["push", "pull"]
 PROMPT = list(range(100, 170))  # 70 tokens: two full blocks of 32 and a partial third
@@ -159,6 +161,16 @@ def pair(model_dir: Path, mode: str, policy: str = "fail", **p_extra: Any) -> It
         engines.close()
 
 
+def _stats(engine: Engine) -> KvfsmStats:
+    """Every stats window vLLM collected from the engine's workers, aggregated as vLLM does."""
+    total = KvfsmConnector.build_kv_connector_stats()
+    for result in engine.driver.history:
+        kv = result.kv_connector_output
+        if kv is not None and kv.kv_connector_stats is not None:
+            total = total.aggregate(kv.kv_connector_stats)
+    return total
+
+
 def _same_kv(p: Engine, p_blocks: list[int], d: Engine, d_blocks: list[int]) -> bool:
     return all(torch.equal(p.kv[n][p_blocks], d.kv[n][d_blocks]) for n in p.kv)
 
@@ -179,6 +191,12 @@ def test_p_holds_blocks_until_sent_and_d_waits_then_runs(model_dir: Path, mode: 
         assert _same_kv(e.p, p_blocks, e.d, d_blocks)
         e.settle(lambda: "p-1" not in e.p.scheduler.requests, "P freeing its blocks")
         e.assert_idle()
+        p_stats, d_stats = _stats(e.p).reduce(), _stats(e.d).reduce()
+        moved = len(p_blocks) * sum(t[0].numel() * t.element_size() for t in e.p.kv.values())
+        assert p_stats["done"] == d_stats["done"] == 1
+        poster = p_stats if mode == "push" else d_stats  # who posted the transfer
+        assert poster["transfers"] == 1 and poster["bytes"] == moved
+        assert any(k.startswith("avg_ms_") for k in d_stats)  # time in state
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -257,3 +275,23 @@ def test_a_failed_load_is_reported_as_invalid_blocks(
         expected = FinishReason.LENGTH if policy == "recompute" else FinishReason.ERROR
         assert e.d.driver.finished()["d-1"] == expected
         e.assert_idle()
+        assert _stats(e.p).reduce()["expired"] == 1
+        assert _stats(e.d).reduce()["failed"] == 1
+        assert not _stats(e.d).is_empty()
+
+
+def test_prometheus_metrics_count_what_the_stats_carry(model_dir: Path) -> None:
+    registry = CollectorRegistry()
+    types = {t: functools.partial(t, registry=registry) for t in (Counter, Gauge, Histogram)}
+    config = make_vllm_config(model_dir, {"kv_connector": "KvfsmConnector",
+        "kv_connector_module_path": "kvfsm.vllm", "kv_role": "kv_consumer"})  # fmt: skip
+    prom = KvfsmConnector.build_prom_metrics(config, types, ["engine"], {0: ["0"]})
+    window = {"ended": {"done": 2, "failed": 1}, "counts": {"transfers": 3, "bytes": 4096},
+              "seconds": {"reading": 0.5}, "visits": {"reading": 3}}  # fmt: skip
+    prom.observe(window, engine_idx=0)
+    prom.observe(window, engine_idx=0)
+    value = registry.get_sample_value
+    assert value("vllm:kvfsm_requests_total", {"engine": "0", "state": "done"}) == 4
+    assert value("vllm:kvfsm_requests_total", {"engine": "0", "state": "failed"}) == 2
+    assert value("vllm:kvfsm_bytes_total", {"engine": "0"}) == 8192
+    assert value("vllm:kvfsm_seconds_in_state_total", {"engine": "0", "state": "reading"}) == 1.0
