@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from kvfsm.core import Identity
 from kvfsm.sidechannel import HandshakePayload
 from kvfsm.vllm._geometry import geometry_of
+from kvfsm.vllm._params import contact_of
 from kvfsm.vllm._prom import KvfsmPromMetrics
 from kvfsm.vllm._scheduler import ConnectorStep, SchedulerSide
 from kvfsm.vllm._settings import KvfsmSettings, SettingsError
@@ -94,7 +95,7 @@ class KvfsmConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             identity = Identity(
                 transfer.engine_id, _tp_rank(self._tp_size), self._tp_size,
-                _contact(self.settings.side_channel_host, port),
+                contact_of(self.settings.side_channel_host, port),
             )  # fmt: skip
             model = vllm_config.model_config
             self._worker = WorkerSide(
@@ -250,10 +251,6 @@ def _tp_rank(tp_size: int) -> int:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
     return int(get_tensor_model_parallel_rank())
-
-
-def _contact(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _model_identity(model_config: Any) -> str:

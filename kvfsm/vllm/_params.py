@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-__all__ = ["ParamsError", "RemotePrefill", "producer_params", "remote_prefill"]
+__all__ = ["ParamsError", "RemotePrefill", "contact_of", "producer_params", "remote_prefill"]
 
 _Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
@@ -32,8 +32,12 @@ class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def contact(self) -> str:
         """P's side channel, "host:port"."""
-        host = self.remote_host
-        return f"[{host}]:{self.remote_port}" if ":" in host else f"{host}:{self.remote_port}"
+        return contact_of(self.remote_host, self.remote_port)
+
+
+def contact_of(host: str, port: int) -> str:
+    """A side channel's "host:port" (IPv6 hosts bracketed)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def remote_prefill(params: Mapping[str, Any], mode: str) -> RemotePrefill:
