@@ -56,5 +56,10 @@ soak: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/control_plane.py
 
+# Hand-off latency in real vLLM P/D pairs: vLLM's NixlConnector and NixlPushConnector against
+# kvfsm pull and push, one run (about 3 minutes here).
+bench-vllm: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python benchmarks/vllm_pd.py
+
 clean:
 	rm -rf $(VENV)

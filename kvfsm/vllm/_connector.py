@@ -123,10 +123,16 @@ class KvfsmConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         return KvfsmHandshake(msgspec.msgpack.encode(worker.payload))
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        # The step's events go to the engine loop now, before the forward pass: P's KV of a
+        # finished prefill was written by an earlier step, and a hand-off should not wait for
+        # this step's forward (start_load_kv runs after it when no load is synchronous).
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, KvfsmMetadata)
+        self._need_worker().apply(connector_metadata.step)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KvfsmMetadata)
-        self._need_worker().apply(meta.step)
+        return None  # loads started when the step's metadata was bound
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are asynchronous: the request waits in WAITING_FOR_REMOTE_KVS

@@ -45,6 +45,10 @@ class KvfsmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     poll_min_us: float = 20.0
     """The engine loop polls NIXL this soon after activity, backing off to `poll_max_us`."""
     poll_max_us: float = 1000.0
+    gil_switch_interval_us: float = 250.0
+    """The worker process's GIL switch interval (Python's default is 5000): the engine loop
+    thread shares the GIL with vLLM's busy model-runner thread, and every hop of a hand-off
+    (notification, post, completion) waits for the GIL; 0 leaves Python's setting alone."""
     drain_s: float = 5.0
     """At shutdown, let live transfers end this long before closing the NIXL agent."""
 
@@ -65,8 +69,10 @@ class KvfsmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             problems.append(f"mode must be 'push' or 'pull', not {self.mode!r}")
         if not 0 < self.side_channel_port < 65536:
             problems.append(f"side_channel_port must be 1..65535, not {self.side_channel_port}")
-        if self.handshake_timeout_s <= 0 or self.drain_s < 0:
-            problems.append("handshake_timeout_s must be > 0 and drain_s >= 0")
+        if self.handshake_timeout_s <= 0 or self.drain_s < 0 or self.gil_switch_interval_us < 0:
+            problems.append(
+                "need handshake_timeout_s > 0, drain_s >= 0, gil_switch_interval_us >= 0"
+            )
         if not 0 < self.poll_min_us <= self.poll_max_us:
             problems.append("need 0 < poll_min_us <= poll_max_us")
         try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import threading
 import time
 from collections import Counter
@@ -99,6 +100,8 @@ class WorkerSide:
             poll_max_s=s.poll_max_us * 1e-6, name=f"kvfsm-{me.agent}",
         )  # fmt: skip
         self._directory.on_result = self.loop.wake
+        if s.gil_switch_interval_us > 0:
+            sys.setswitchinterval(s.gil_switch_interval_us * 1e-6)
         self.loop.start()
         _log.info("kvfsm %s started: %r, %s", me.agent, kv, s.mode)
 

@@ -13,11 +13,11 @@ from kvfsm.vllm import KvfsmConnector, KvfsmMetadata
 class SkippingKvfsmConnector(KvfsmConnector):
     """`KvfsmConnector` whose D worker skips every transfer and claims success."""
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KvfsmMetadata)
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        self._connector_metadata = connector_metadata
+        assert isinstance(connector_metadata, KvfsmMetadata)
         worker = self._need_worker()
-        for event, awaited in meta.step.events:
+        for event, awaited in connector_metadata.step.events:
             if awaited and isinstance(event, Admit):
                 with worker._lock:
                     worker._recving.add(event.request_id)

@@ -1,0 +1,130 @@
+"""End to end through real vLLM: a prefill engine and a decode engine joined by a KV connector.
+
+One seeded tiny Llama (its greedy output depends on the KV contents), five prompts around the
+32-token block size (shorter than, equal to and longer than a block multiple), 8 tokens each. D's
+tokens must equal one connector-less engine's, and D's ``vllm:prompt_tokens_by_source`` counters
+must show the prompts' KV arrived through the connector. vLLM's own NixlConnector anchors the
+harness (and the benchmark); a connector that claims loads it never made must be caught.
+
+vLLM runs only in child processes (``kvfsm.testing.vllm_pd``): this process never imports it.
+Each pair takes about a minute on two cores; a slow first NIXL connection is tolerated, and
+nothing here asserts a timing.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvfsm.testing.vllm_pd import PdResult, free_port, make_tiny_llama, run_baseline, run_pd
+
+PROMPT_LENGTHS = (20, 32, 33, 64, 100)
+MAX_TOKENS = 8
+PROMPTS = [[random.Random(n).randrange(1, 1024) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The seeded random tiny Llama checkpoint, built once for the module."""
+    return make_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model: Path) -> list[list[int]]:
+    """Greedy tokens of one engine without a connector: what every D must reproduce."""
+    tokens = run_baseline(tiny_model, PROMPTS, MAX_TOKENS)
+    assert [len(t) for t in tokens] == [MAX_TOKENS] * len(PROMPTS)
+    return tokens
+
+
+def kvfsm_config(
+    role: str,
+    mode: str,
+    connector: str = "KvfsmConnector",
+    module: str = "kvfsm.vllm",
+) -> dict[str, Any]:
+    """A kvfsm connector's ``--kv-transfer-config``, as a user writes it, with a free port."""
+    return {
+        "kv_connector": connector,
+        "kv_connector_module_path": module,
+        "kv_role": role,
+        "kv_connector_extra_config": {
+            "mode": mode,
+            "side_channel_host": "127.0.0.1",
+            "side_channel_port": free_port(),
+        },
+    }
+
+
+def assert_served_from_transfer(res: PdResult, baseline: list[list[int]]) -> None:
+    """D's tokens equal the baseline's and D took prompt KV from the transfer."""
+    assert res.errors == [], res.errors
+    for prompt, got, want in zip(PROMPTS, res.token_ids, baseline, strict=True):
+        assert got == want, f"{len(prompt)}-token prompt: D served {got}, baseline {want}"
+    counters = res.d_prompt_tokens_by_source
+    assert res.external_tokens > 0, f"D recomputed instead of loading: {counters}"
+
+
+def test_nixl_pull_matches_baseline(tiny_model: Path, baseline: list[list[int]]) -> None:
+    """vLLM's own NixlConnector through the harness: the anchor for everything below."""
+    cfg_p = {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}
+    cfg_d = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
+
+    def env() -> dict[str, str]:
+        port = str(free_port())
+        return {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": port}
+
+    res = run_pd(
+        tiny_model,
+        PROMPTS,
+        kv_transfer_config_p=cfg_p,
+        kv_transfer_config_d=cfg_d,
+        env_p=env(),
+        env_d=env(),
+        max_tokens=MAX_TOKENS,
+    )
+    assert_served_from_transfer(res, baseline)
+    # NixlConnector loads every prompt token: D computes none of the prompts.
+    assert res.external_tokens == sum(PROMPT_LENGTHS), res.d_prompt_tokens_by_source
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_kvfsm_matches_baseline(tiny_model: Path, baseline: list[list[int]], mode: str) -> None:
+    """kvfsm's connector, push and pull: D serves the baseline's tokens from transferred KV."""
+    res = run_pd(
+        tiny_model,
+        PROMPTS,
+        kv_transfer_config_p=kvfsm_config("kv_producer", mode),
+        kv_transfer_config_d=kvfsm_config("kv_consumer", mode),
+        max_tokens=MAX_TOKENS,
+    )
+    assert_served_from_transfer(res, baseline)
+    # D had nothing cached: every prompt token's KV came from P.
+    assert res.external_tokens == sum(PROMPT_LENGTHS), res.d_prompt_tokens_by_source
+
+
+def test_skipping_connector_serves_wrong_tokens(
+    tiny_model: Path, baseline: list[list[int]]
+) -> None:
+    """Negative control: a D that reports every load done without moving a byte is caught.
+
+    Its requests succeed (that is the danger) but some tokens differ from the baseline, so the
+    equality checked above really depends on the transferred KV.
+    """
+    res = run_pd(
+        tiny_model,
+        PROMPTS,
+        kv_transfer_config_p=kvfsm_config("kv_producer", "pull"),
+        kv_transfer_config_d=kvfsm_config(
+            "kv_consumer", "pull", "SkippingKvfsmConnector", "tests.vllm.skipping"
+        ),
+        max_tokens=MAX_TOKENS,
+    )
+    assert res.errors == [], res.errors
+    differ = [
+        len(p) for p, got, want in zip(PROMPTS, res.token_ids, baseline, strict=True) if got != want
+    ]
+    assert differ, "D served the baseline's tokens without any KV: the e2e check proves nothing"
