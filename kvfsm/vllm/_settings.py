@@ -32,16 +32,9 @@ class KvfsmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     handshake_timeout_s: float = 10.0
     """A handshake that has not answered by then fails its requests (their blocks reported
     invalid on D)."""
-    lease_s: float = 30.0
-    watchdog_s: float = 30.0
-    stall_s: float = 10.0
-    producer_stall_s: float = 20.0
-    fence_s: float = 30.0
-    heartbeat_s: float = 5.0
-    pending_registration_ttl_s: float = 30.0
-    max_pending_registrations: int = 65536
-    trace: bool = True
-    """Keep each request's transition history: time in state in the stats (costs ~1 us/event)."""
+    core: CoreConfig = msgspec.field(default_factory=CoreConfig)
+    """The core's deadlines and bounds (`lease_s`, `watchdog_s`, `stall_s`, ... : see
+    `CoreConfig`), given as top-level keys of the extra config."""
     poll_min_us: float = 20.0
     """The engine loop polls NIXL this soon after activity, backing off to `poll_max_us`."""
     poll_max_us: float = 1000.0
@@ -55,10 +48,18 @@ class KvfsmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> KvfsmSettings:
         """Settings from `kv_connector_extra_config`; `SettingsError` says what is wrong."""
+        flat = dict(extra or {})
+        core_keys = set(CoreConfig.__struct_fields__)
+        core = {k: flat.pop(k) for k in list(flat) if k in core_keys}
+        known = ", ".join(sorted((set(cls.__struct_fields__) - {"core"}) | core_keys))
         try:
-            settings = msgspec.convert(dict(extra or {}), cls, strict=False)
-        except msgspec.ValidationError as exc:
-            known = ", ".join(cls.__struct_fields__)
+            if "core" in flat:
+                raise msgspec.ValidationError("give the core's settings as top-level keys")
+            settings = msgspec.convert(flat, cls, strict=False)
+            settings = msgspec.structs.replace(
+                settings, core=msgspec.convert(core, CoreConfig, strict=False)
+            )
+        except (msgspec.ValidationError, ValueError) as exc:
             raise SettingsError(f"kv_connector_extra_config: {exc} (settings: {known})") from None
         settings._check()
         return settings
@@ -75,23 +76,9 @@ class KvfsmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             )
         if not 0 < self.poll_min_us <= self.poll_max_us:
             problems.append("need 0 < poll_min_us <= poll_max_us")
-        try:
-            self.core_config()
-        except ValueError as exc:
-            problems.append(str(exc))
         if problems:
             raise SettingsError("kv_connector_extra_config: " + "; ".join(problems))
 
     def core_config(self) -> CoreConfig:
         """The deadlines and bounds of the core."""
-        return CoreConfig(
-            lease_s=self.lease_s,
-            watchdog_s=self.watchdog_s,
-            stall_s=self.stall_s,
-            producer_stall_s=self.producer_stall_s,
-            fence_s=self.fence_s,
-            heartbeat_s=self.heartbeat_s,
-            pending_registration_ttl_s=self.pending_registration_ttl_s,
-            max_pending_registrations=self.max_pending_registrations,
-            trace=self.trace,
-        )
+        return self.core
