@@ -31,6 +31,7 @@ from sched_harness import (
     make_worker_connector,
     tiny_model_dir,
 )
+from vllm.distributed import parallel_state
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
@@ -54,42 +55,56 @@ def _free_port() -> int:
 
 
 class Engine:
-    """One vLLM engine in-process: its scheduler (with the connector's scheduler half) and one
-    worker rank (the worker half, real NIXL, the CPU KV tensors it registered)."""
+    """One vLLM engine in-process: its scheduler (with the connector's scheduler half) and its
+    worker ranks (the worker half each, real NIXL, the CPU KV tensors it registered)."""
 
-    def __init__(self, model_dir: Path, role: str, extra: dict[str, Any], policy: str) -> None:
+    def __init__(
+        self, model_dir: Path, role: str, extra: dict[str, Any], policy: str, tp: int = 1
+    ) -> None:
         config = {
             "kv_connector": "KvfsmConnector", "kv_connector_module_path": "kvfsm.vllm",
             "kv_role": role, "kv_connector_extra_config": extra | {"side_channel_port": _free_port()},
         }  # fmt: skip
         vllm_config = make_vllm_config(model_dir, config, kv_load_failure_policy=policy)  # type: ignore[arg-type]
+        vllm_config.parallel_config.tensor_parallel_size = tp
         self.scheduler = make_scheduler(vllm_config, 64)
-        self.worker = make_worker_connector(self.scheduler)
-        self.kv = make_cpu_kv_caches(self.scheduler)
-        self.worker.register_kv_caches(self.kv)
+        self.ranks = [self._rank(r) for r in range(tp)]
+        self.worker, self.kv = self.ranks[0]
         self.connector = self.scheduler.connector
         assert isinstance(self.connector, KvfsmConnector)
-        assert isinstance(self.worker, KvfsmConnector)
-        self.connector.set_xfer_handshake_metadata({0: self.worker.get_handshake_metadata()})
-        self.driver = Driver(self.scheduler, [WorkerStub(self.worker, self.kv)])
+        handshakes = {r: w.get_handshake_metadata() for r, (w, _) in enumerate(self.ranks)}
+        self.connector.set_xfer_handshake_metadata(handshakes)
+        self.driver = Driver(self.scheduler, [WorkerStub(w, kv) for w, kv in self.ranks])
+
+    def _rank(self, rank: int) -> tuple[KvfsmConnector, dict[str, torch.Tensor]]:
+        with pytest.MonkeyPatch.context() as mp:  # the rank vLLM's parallel state would give
+            mp.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: rank)
+            worker = make_worker_connector(self.scheduler)
+        assert isinstance(worker, KvfsmConnector)
+        kv = make_cpu_kv_caches(self.scheduler)
+        worker.register_kv_caches(kv)
+        return worker, kv
 
     def blocks(self, rid: str) -> list[int]:
         (ids,) = self.scheduler.kv_cache_manager.get_block_ids(rid)
         return list(ids)
 
     def assert_idle(self) -> None:
-        """No request left in the scheduler, its blocks, the connector or the core."""
+        """No request left in the scheduler, its blocks, the connector or the cores."""
         self.driver.drain()
         assert_no_leak(self.scheduler)
-        sched, worker = self.connector._sched, self.worker._worker
-        assert sched is not None and worker is not None and worker.loop is not None
-        assert not sched._awaited and not sched._admitted
-        assert not worker._awaited
-        live = worker.loop.call(lambda e: dict(e.side.requests)).result(_BOUND_S)
-        assert not live, f"the core still holds {live}"
+        sched = self.connector._sched
+        assert sched is not None and not sched._awaited and not sched._admitted
+        for connector, _ in self.ranks:
+            worker = connector._worker
+            assert worker is not None and worker.loop is not None
+            assert not worker._awaited
+            live = worker.loop.call(lambda e: dict(e.side.requests)).result(_BOUND_S)
+            assert not live, f"the core still holds {live}"
 
     def close(self) -> None:
-        self.worker.shutdown()
+        for worker, _ in self.ranks:
+            worker.shutdown()
         self.connector.shutdown()
 
 
@@ -97,17 +112,21 @@ class Pair:
     """A P and a D engine stepped in turn, as their engine cores would, waiting (on an event)
     for the workers' reports when neither has work to do."""
 
-    def __init__(self, model_dir: Path, mode: str, policy: str, p_extra: dict[str, Any]) -> None:
+    def __init__(
+        self, model_dir: Path, mode: str, policy: str, p_extra: dict[str, Any], tp: tuple[int, int]
+    ) -> None:
         self.progress = threading.Event()
-        self.p = Engine(model_dir, "kv_producer", {"mode": mode, **_FAST, **p_extra}, policy)
-        self.d = Engine(model_dir, "kv_consumer", {"mode": mode, **_FAST}, policy)
+        p_settings, d_settings = {"mode": mode, **_FAST, **p_extra}, {"mode": mode, **_FAST}
+        self.p = Engine(model_dir, "kv_producer", p_settings, policy, tp[0])
+        self.d = Engine(model_dir, "kv_consumer", d_settings, policy, tp[1])
         for engine in (self.p, self.d):
-            worker = engine.worker._worker
-            assert worker is not None
-            worker.on_report = self.progress.set
+            for connector, _ in engine.ranks:
+                assert connector._worker is not None
+                connector._worker.on_report = self.progress.set
         torch.manual_seed(0)
-        for tensor in self.p.kv.values():
-            tensor.copy_(torch.rand_like(tensor))
+        for _, kv in self.p.ranks:
+            for tensor in kv.values():
+                tensor.copy_(torch.rand_like(tensor))
 
     def settle(self, done: Callable[[], bool], what: str) -> None:
         """Step both engines until `done()`; fail saying `what` did not happen."""
@@ -153,8 +172,10 @@ def _did_work(result: EngineStepResult) -> bool:
 
 
 @contextmanager
-def pair(model_dir: Path, mode: str, policy: str = "fail", **p_extra: Any) -> Iterator[Pair]:
-    engines = Pair(model_dir, mode, policy, p_extra)
+def pair(
+    model_dir: Path, mode: str, policy: str = "fail", tp: tuple[int, int] = (1, 1), **p_extra: Any
+) -> Iterator[Pair]:
+    engines = Pair(model_dir, mode, policy, p_extra, tp)
     try:
         yield engines
     finally:
@@ -169,6 +190,11 @@ def _stats(engine: Engine) -> KvfsmStats:
         if kv is not None and kv.kv_connector_stats is not None:
             total = total.aggregate(kv.kv_connector_stats)
     return total
+
+
+def _heads(engine: Engine, blocks: list[int]) -> dict[str, torch.Tensor]:
+    """Each layer's KV of `blocks` with every rank's heads side by side (heads are dim 1)."""
+    return {n: torch.cat([kv[n][blocks] for _, kv in engine.ranks], dim=1) for n in engine.kv}
 
 
 def _same_kv(p: Engine, p_blocks: list[int], d: Engine, d_blocks: list[int]) -> bool:
@@ -197,6 +223,26 @@ def test_p_holds_blocks_until_sent_and_d_waits_then_runs(model_dir: Path, mode: 
         poster = p_stats if mode == "push" else d_stats  # who posted the transfer
         assert poster["transfers"] == 1 and poster["bytes"] == moved
         assert any(k.startswith("avg_ms_") for k in d_stats)  # time in state
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("tp", [(1, 2), (2, 1)], ids=["P1-D2", "P2-D1"])
+def test_tp_sizes_differ_each_rank_gets_its_heads(
+    model_dir: Path, mode: str, tp: tuple[int, int]
+) -> None:
+    # The tiny model's 2 KV heads: one per rank on the TP-2 side. vLLM reports the load (or the
+    # send) only once every rank did.
+    with pair(model_dir, mode, tp=tp) as e:
+        params = e.prefill("p-1")
+        assert params["tp_size"] == tp[0]
+        e.decode("d-1", params)
+        e.d.driver.step()
+        d_blocks = e.d.blocks("d-1")
+        e.settle(lambda: "d-1" in e.d.driver.finished(), "D finishing")
+        p_kv, d_kv = _heads(e.p, params["remote_block_ids"]), _heads(e.d, d_blocks)
+        assert all(torch.equal(p_kv[n], d_kv[n]) for n in p_kv)
+        e.settle(lambda: "p-1" not in e.p.scheduler.requests, "P freeing its blocks")
+        e.assert_idle()
 
 
 @pytest.mark.parametrize("mode", MODES)
