@@ -35,7 +35,7 @@ from vllm.distributed import parallel_state
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
-from kvfsm.vllm import KvfsmConnector, KvfsmStats
+from kvfsm.vllm import KvfsmConnector, KvfsmStats, SettingsError
 
 MODES = ["push", "pull"]
 PROMPT = list(range(100, 170))  # 70 tokens: two full blocks of 32 and a partial third
@@ -113,10 +113,17 @@ class Pair:
     for the workers' reports when neither has work to do."""
 
     def __init__(
-        self, model_dir: Path, mode: str, policy: str, p_extra: dict[str, Any], tp: tuple[int, int]
+        self,
+        model_dir: Path,
+        mode: str,
+        policy: str,
+        p_extra: dict[str, Any],
+        tp: tuple[int, int],
+        d_extra: dict[str, Any],
     ) -> None:
         self.progress = threading.Event()
-        p_settings, d_settings = {"mode": mode, **_FAST, **p_extra}, {"mode": mode, **_FAST}
+        p_settings = {"mode": mode, **_FAST, **p_extra}
+        d_settings = {"mode": mode, **_FAST, **d_extra}
         self.p = Engine(model_dir, "kv_producer", p_settings, policy, tp[0])
         self.d = Engine(model_dir, "kv_consumer", d_settings, policy, tp[1])
         for engine in (self.p, self.d):
@@ -173,9 +180,14 @@ def _did_work(result: EngineStepResult) -> bool:
 
 @contextmanager
 def pair(
-    model_dir: Path, mode: str, policy: str = "fail", tp: tuple[int, int] = (1, 1), **p_extra: Any
+    model_dir: Path,
+    mode: str,
+    policy: str = "fail",
+    tp: tuple[int, int] = (1, 1),
+    d_extra: dict[str, Any] | None = None,
+    **p_extra: Any,
 ) -> Iterator[Pair]:
-    engines = Pair(model_dir, mode, policy, p_extra, tp)
+    engines = Pair(model_dir, mode, policy, p_extra, tp, d_extra or {})
     try:
         yield engines
     finally:
@@ -341,3 +353,57 @@ def test_prometheus_metrics_count_what_the_stats_carry(model_dir: Path) -> None:
     assert value("vllm:kvfsm_requests_total", {"engine": "0", "state": "failed"}) == 2
     assert value("vllm:kvfsm_bytes_total", {"engine": "0"}) == 8192
     assert value("vllm:kvfsm_seconds_in_state_total", {"engine": "0", "state": "reading"}) == 1.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_unreachable_p_fails_the_load_in_bounded_time(model_dir: Path, mode: str) -> None:
+    with pair(model_dir, mode, d_extra={"handshake_timeout_s": 0.5}) as e:
+        params = e.prefill("p-1")
+        e.decode("d-1", params | {"remote_port": _free_port()})  # nothing listens there
+        e.d.driver.step()
+        d_blocks = e.d.blocks("d-1")
+        invalid: set[int] = set()
+
+        def failed() -> bool:
+            kv = e.d.driver.history[-1].kv_connector_output
+            invalid.update(kv.invalid_block_ids or () if kv is not None else ())
+            return "d-1" in e.d.driver.finished()
+
+        e.settle(failed, "D failing the load")
+        assert set(d_blocks) <= invalid
+        assert e.d.driver.finished()["d-1"] == FinishReason.ERROR
+        e.d.assert_idle()  # P's blocks wait for its lease: it never heard from this D
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"remote_host": None}, {"remote_port": "5600"}, {"tp_size": 0}, {"transfer_mode": "other"}],
+)
+def test_malformed_params_from_a_client_make_d_compute_locally(
+    model_dir: Path, bad: dict[str, Any]
+) -> None:
+    with pair(model_dir, "pull") as e:
+        params = e.prefill("p-1")
+        e.decode("d-1", params | bad)
+        e.settle(lambda: "d-1" in e.d.driver.finished(), "D finishing")
+        assert e.d.driver.finished()["d-1"] == FinishReason.LENGTH  # computed, not loaded
+        sched = e.d.connector._sched
+        assert sched is not None and sched.counters["bad_params"] == 1
+        e.d.assert_idle()
+
+
+@pytest.mark.parametrize(
+    ("role", "extra", "match"),
+    [
+        ("kv_both", {}, "kv_role 'kv_both'"),
+        ("kv_consumer", {"mode": "sideways"}, "mode"),
+        ("kv_consumer", {"leese_s": 3}, "leese_s"),
+    ],
+)
+def test_what_kvfsm_cannot_run_is_refused_at_start_up(
+    model_dir: Path, role: str, extra: dict[str, Any], match: str
+) -> None:
+    config = {"kv_connector": "KvfsmConnector", "kv_connector_module_path": "kvfsm.vllm",
+              "kv_role": role, "kv_connector_extra_config": extra}  # fmt: skip
+    with pytest.raises(SettingsError, match=match):
+        make_scheduler(make_vllm_config(model_dir, config), 64)
