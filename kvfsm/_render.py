@@ -13,18 +13,20 @@ from rich.table import Table
 if TYPE_CHECKING:
     from kvfsm._demo import DemoReport
 
-__all__ = ["demo_table", "progress_bar"]
+__all__ = ["bench_table", "demo_table", "progress_bar"]
 
 
 @contextmanager
-def progress_bar(total: int, enabled: bool = True) -> Iterator[Callable[[int], None]]:
+def progress_bar(
+    total: int, enabled: bool = True, label: str = "requests"
+) -> Iterator[Callable[[int], None]]:
     """A progress bar on stderr; yields `advance(n)`. Disabled, it yields a no-op."""
     if not enabled:
         yield lambda _n: None
         return
-    columns = (TextColumn("requests"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
-        task = progress.add_task("requests", total=total)
+        task = progress.add_task(label, total=total)
         yield lambda n: progress.advance(task, n)
 
 
@@ -70,3 +72,33 @@ def demo_table(report: DemoReport) -> None:
     console.print(states)
     for violation in report.violations[:20]:
         console.print(f"[red]violation:[/red] {violation}")
+
+
+def bench_table(report: dict[str, object]) -> None:
+    """Print `kvfsm bench`'s figures: one row per variant, ratios to the vLLM-style anchor."""
+    console = Console()
+    title = (
+        f"kvfsm bench: {report['op']} ({report['mode']}), {report['allocation']} blocks,"
+        f" {report['descriptors_per_request']} descriptors of {report['block_bytes']} B per request"
+    )
+    table = Table(title=title)
+    for column in ("variant", "GB/s", "p50 ms", "p99 ms", "CPU us/request", "vs a1"):
+        table.add_column(column, justify="left" if column == "variant" else "right")
+    anchor = float(report["raw_vllm_style_gbps"])  # type: ignore[arg-type]
+    rows = [
+        ("a1 raw NIXL, vLLM's way", "raw_vllm_style"),
+        ("a2 raw NIXL, kvfsm's settings", "raw"),
+        ("b  engine, per block", "engine"),
+        ("c  engine, coalesced", "coalesced"),
+        ("d  memcpy", "memcpy"),
+    ]
+    for label, key in rows:
+        value = report.get(f"{key}_gbps")
+        if value is None:
+            table.add_row(label, "not measured yet", "", "", "", "")
+            continue
+        cells = [f"{report.get(f'{key}_{x}', 0.0):.2f}" if f"{key}_{x}" in report else ""
+                 for x in ("ms_p50", "ms_p99", "cpu_us_per_request")]  # fmt: skip
+        table.add_row(label, f"{value:.2f}", *cells, f"{float(value) / anchor:.2f}")  # type: ignore[arg-type]
+    console.print(table)
+    console.print("every byte verified" if report["verified"] else "[red]BYTES WRONG[/red]")

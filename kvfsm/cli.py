@@ -1,4 +1,4 @@
-"""The `kvfsm` command line: `demo`, `diagrams`."""
+"""The `kvfsm` command line: `demo`, `bench`, `diagrams`."""
 
 from __future__ import annotations
 
@@ -50,6 +50,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     demo.add_argument("--json", action="store_true", help="print one JSON object")
 
+    bench = commands.add_parser(
+        "bench",
+        help="transfer throughput side by side: raw NIXL (vLLM's way, kvfsm's settings), memcpy",
+    )
+    bench.add_argument(
+        "--mode", choices=["push", "pull"], default="push", help="push: WRITE; pull: READ"
+    )
+    bench.add_argument("--allocation", choices=["contiguous", "fragmented"], default="contiguous")
+    bench.add_argument("--block-kib", type=int, default=16, help="bytes of one block in one region")
+    bench.add_argument("--blocks", type=int, default=2048, help="blocks per region")
+    bench.add_argument("--regions", type=int, default=4, help="regions (layers x K/V)")
+    bench.add_argument("--requests", type=int, default=64)
+    bench.add_argument("--blocks-per-request", type=int, default=16)
+    bench.add_argument("--inflight", type=int, default=4, help="transfers in flight at most")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--json", action="store_true", help="print one JSON object")
+
     diagrams = commands.add_parser("diagrams", help="generate docs/diagrams from models/")
     diagrams.add_argument("--out", type=Path, default=_DIAGRAMS)
     diagrams.add_argument("--check", action="store_true", help="fail if they are stale")
@@ -57,6 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "demo":
         return _demo(args)
+    if args.command == "bench":
+        return _bench(args)
     return _diagrams(args)
 
 
@@ -96,6 +115,28 @@ def _demo(args: argparse.Namespace) -> int:
     else:
         demo_table(report)
     return 0 if report.ok else 1
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kvfsm._bench import BenchOptions, run_bench, steps
+    from kvfsm._render import bench_table, progress_bar
+
+    try:
+        options = BenchOptions(
+            mode=args.mode, allocation=args.allocation, block_kib=args.block_kib,
+            num_blocks=args.blocks, regions=args.regions, requests=args.requests,
+            blocks_per_request=args.blocks_per_request, inflight=args.inflight, seed=args.seed,
+        )  # fmt: skip
+    except ValueError as exc:
+        print(f"kvfsm bench: {exc}", file=sys.stderr)
+        return 2
+    with progress_bar(steps(), enabled=not args.json, label="variants") as advance:
+        report = run_bench(options, advance)
+    if args.json:
+        print(json.dumps(report, sort_keys=True))
+    else:
+        bench_table(report)
+    return 0 if report["verified"] else 1
 
 
 def _diagrams(args: argparse.Namespace) -> int:

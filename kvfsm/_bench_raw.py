@@ -1,0 +1,238 @@
+"""`kvfsm bench`, first part: raw NIXL posted vLLM's way and with the engine's agent settings,
+against a memcpy of the same bytes (issue 5's anchors a1, a2 and d).
+
+Two processes, as P and D would be: a passive *target* that registers its KV buffer and, at the
+end, checks every byte it received (push) or served (pull, checked by the initiator), and an
+*initiator* that loads the target's agent, prepares one descriptor per block per region (the
+prepped path, as vLLM's connector posts) and posts every request's transfer with a bounded
+number in flight. Both fill the source side from the same seed, so the sink can check each
+transferred byte without shipping the data.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["BenchPlan", "Variant", "memcpy_gbps", "plan_requests", "run_variant"]
+
+Variant = Literal["raw_vllm_style", "raw"]
+# (progress thread, telemetry): NIXL's defaults, and what kvfsm's engine runs.
+_SETTINGS: dict[str, tuple[bool, bool]] = {"raw_vllm_style": (True, False), "raw": (False, True)}
+_BOUND_S = 120.0
+_TARGET_POLL_S = 200e-6
+
+
+class BenchPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """The geometry and the requests: `src[i]` blocks move to `dst[i]` blocks in every region."""
+
+    block_bytes: int
+    num_blocks: int
+    regions: int
+    op: Literal["WRITE", "READ"]
+    src: list[list[int]]
+    dst: list[list[int]]
+    inflight: int = 4
+    seed: int = 0
+
+    @property
+    def region_bytes(self) -> int:
+        return self.block_bytes * self.num_blocks
+
+    @property
+    def bytes_per_request(self) -> int:
+        return len(self.src[0]) * self.block_bytes * self.regions
+
+
+def plan_requests(
+    *, requests: int, blocks: int, num_blocks: int, allocation: str, seed: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Source and destination block ids per request: consecutive runs (contiguous) or drawn from
+    a shuffled free list (fragmented), disjoint across requests on each side."""
+    if requests * blocks > num_blocks:
+        raise ValueError(f"{requests} x {blocks} blocks do not fit in {num_blocks}")
+    rng = np.random.default_rng(seed)
+    sides = []
+    for _ in range(2):
+        order = np.arange(num_blocks) if allocation == "contiguous" else rng.permutation(num_blocks)
+        ids = order[: requests * blocks].reshape(requests, blocks)
+        sides.append([sorted(map(int, row)) if allocation != "contiguous" else list(map(int, row))
+                      for row in ids])  # fmt: skip
+    return sides[0], sides[1]
+
+
+def _buffer(plan: BenchPlan, source: bool) -> npt.NDArray[np.uint8]:
+    size = plan.region_bytes * plan.regions
+    if not source:
+        buf = np.empty(size, dtype=np.uint8)
+        buf.fill(0)  # resident: no first-touch faults inside the timed transfers
+        return buf
+    return np.random.default_rng(plan.seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def _rows(plan: BenchPlan, base: int) -> npt.NDArray[np.int64]:
+    """One descriptor per block per region, region-major: row = region * num_blocks + block."""
+    r, b = np.divmod(np.arange(plan.regions * plan.num_blocks), plan.num_blocks)
+    addr = base + r * plan.region_bytes + b * plan.block_bytes
+    return np.stack([addr, np.full_like(addr, plan.block_bytes), np.zeros_like(addr)], axis=1)
+
+
+def _ids(plan: BenchPlan, blocks: list[int]) -> npt.NDArray[np.int64]:
+    b = np.asarray(blocks, dtype=np.int64)
+    return (np.arange(plan.regions)[:, None] * plan.num_blocks + b[None, :]).ravel()
+
+
+def _check(plan: BenchPlan, sink: npt.NDArray[np.uint8]) -> bool:
+    """Every destination block of the sink holds its source block's bytes."""
+    source = _buffer(plan, True).reshape(plan.regions, plan.num_blocks, plan.block_bytes)
+    got = sink.reshape(plan.regions, plan.num_blocks, plan.block_bytes)
+    return all(
+        np.array_equal(got[:, d], source[:, s]) for s, d in zip(plan.src, plan.dst, strict=True)
+    )
+
+
+def _target(plan: BenchPlan, variant: Variant, conn: Connection) -> None:
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    from kvfsm.fabric import NixlFabric
+
+    thread, telemetry = _SETTINGS[variant]
+    fabric = NixlFabric("bench-target", progress_thread=thread, telemetry=telemetry)
+    source = plan.op == "READ"  # the initiator READs from us, or WRITEs into us
+    buf = _buffer(plan, source)
+    handle = fabric.register_memory(buf)
+    conn.send((fabric.get_agent_metadata(), int(buf.ctypes.data)))
+    # Without NIXL's progress thread the target must progress UCX itself (TCP rendezvous needs
+    # both ends), as an engine loop does by draining notifications between its waits.
+    while not conn.poll(_TARGET_POLL_S):
+        fabric.get_new_notifs()
+    conn.recv()  # the initiator is done
+    conn.send(True if source else _check(plan, buf))
+    fabric.deregister_memory(handle)
+    fabric.close()
+
+
+def _initiator(plan: BenchPlan, variant: Variant, remote: tuple[bytes, int]) -> dict[str, Any]:
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    from kvfsm.fabric import NixlFabric
+
+    thread, telemetry = _SETTINGS[variant]
+    fabric = NixlFabric("bench-initiator", progress_thread=thread, telemetry=telemetry)
+    source = plan.op == "WRITE"
+    buf = _buffer(plan, source)
+    mem = fabric.register_memory(buf)
+    peer = fabric.add_remote_agent(remote[0])
+    local = fabric.prep_xfer_dlist(None, _rows(plan, int(buf.ctypes.data)))
+    far = fabric.prep_xfer_dlist(peer, _rows(plan, remote[1]))
+    mine, theirs = (plan.src, plan.dst) if source else (plan.dst, plan.src)
+    latencies, cpu0, t0 = _post_all(fabric, plan, local, far, mine, theirs)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    ok = True if source else _check(plan, buf)
+    for dlist in (local, far):
+        fabric.release_dlist_handle(dlist)
+    fabric.remove_remote_agent(peer)
+    fabric.deregister_memory(mem)
+    fabric.close()
+    return {"wall_s": wall, "cpu_s": cpu, "latency_s": latencies, "verified": ok}
+
+
+def _post_all(
+    fabric: Any,
+    plan: BenchPlan,
+    local: int,
+    far: int,
+    mine: list[list[int]],
+    theirs: list[list[int]],
+) -> tuple[list[float], float, float]:
+    """Post every request, at most `plan.inflight` at once; each request's post-to-DONE time."""
+    pending: dict[int, float] = {}
+    latencies: list[float] = []
+    cpu0, t0, deadline = time.process_time(), time.perf_counter(), time.monotonic() + _BOUND_S
+    for i in range(len(mine) + plan.inflight):
+        while pending and (len(pending) >= plan.inflight or i >= len(mine)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(pending)} transfers still in flight after {_BOUND_S}s")
+            for h, start in list(pending.items()):
+                state = fabric.check_xfer_state(h)
+                if state == "ERR":
+                    raise RuntimeError("a transfer ended in ERR")
+                if state == "DONE":
+                    latencies.append(time.perf_counter() - start)
+                    fabric.release_xfer_handle(h)
+                    del pending[h]
+        if i < len(mine):
+            h = fabric.make_prepped_xfer(
+                plan.op, local, _ids(plan, mine[i]), far, _ids(plan, theirs[i]), b""
+            )
+            pending[h] = time.perf_counter()
+            fabric.transfer(h)
+    return latencies, cpu0, t0
+
+
+def _initiator_main(plan: BenchPlan, variant: Variant, conn: Connection) -> None:
+    try:
+        remote = conn.recv()
+        conn.send(("ok", _initiator(plan, variant, remote)))
+    except Exception as exc:  # report, the driver fails the run saying why
+        conn.send(("error", repr(exc)))
+
+
+def run_variant(plan: BenchPlan, variant: Variant) -> dict[str, Any]:
+    """One variant, target and initiator in processes of their own; figures and whether every
+    byte arrived."""
+    ctx = mp.get_context("spawn")
+    t_conn, t_child = ctx.Pipe()
+    i_conn, i_child = ctx.Pipe()
+    procs = [
+        ctx.Process(target=_target, args=(plan, variant, t_child), daemon=True),
+        ctx.Process(target=_initiator_main, args=(plan, variant, i_child), daemon=True),
+    ]
+    for p in procs:
+        p.start()
+    try:
+        i_conn.send(_recv(t_conn, "target"))
+        status, result = _recv(i_conn, "initiator")
+        if status != "ok":
+            raise RuntimeError(f"bench initiator ({variant}): {result}")
+        t_conn.send("done")
+        result["verified"] = bool(result["verified"] and _recv(t_conn, "target"))
+        return dict(result)
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+
+
+def _recv(conn: Connection, who: str) -> Any:
+    if not conn.poll(_BOUND_S):
+        raise TimeoutError(f"the bench {who} did not answer in {_BOUND_S}s")
+    return conn.recv()
+
+
+def memcpy_gbps(plan: BenchPlan, repeat: int = 3) -> float:
+    """GB/s of copying the same blocks between two host buffers (numpy gather/scatter)."""
+    src = _buffer(plan, True).reshape(plan.regions, plan.num_blocks, plan.block_bytes)
+    dst = _buffer(plan, False).reshape(plan.regions, plan.num_blocks, plan.block_bytes)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for s, d in zip(plan.src, plan.dst, strict=True):
+            dst[:, d] = src[:, s]
+        best = min(best, time.perf_counter() - t0)
+    return plan.bytes_per_request * len(plan.src) / best / 1e9
+
+
+def gbps(plan: BenchPlan, result: dict[str, Any]) -> float:
+    """Throughput of one variant's run."""
+    return plan.bytes_per_request * len(plan.src) / float(result["wall_s"]) / 1e9
+
+
+Progress = Callable[[int], None]
