@@ -1,149 +1,16 @@
 """CPU per request lifecycle, P and D together, with N requests in flight (a benchmark, not a test).
 
-Two measurements, each in waves of N requests admitted at once and run to `done`:
-
-* core: the sans-I/O `Producer` and `Consumer` wired back to back (commands answered directly), so
-  the figure is the lifecycle machinery alone: dispatch, guards, deadlines, matching, messages;
-* engine: the same through two `Engine`s on `SimFabric` (descriptors, notifications, polling,
-  64-byte blocks so that copying is negligible).
-
-Prints a table (and `--json`); figures are CPU microseconds per lifecycle, best of `--repeat`.
+Two measurements, each in waves of N requests admitted at once and run to `done` (see
+kvfsm/_bench_control.py): the sans-I/O core alone, and two engines on `SimFabric`. Prints a table
+(and `--json`); figures are CPU microseconds per lifecycle, best of `--repeat`.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import time
-import tracemalloc
-from collections import deque
-from collections.abc import Callable
 
-import numpy as np
-
-from kvfsm.core import (
-    Admit,
-    Consumer,
-    CoreConfig,
-    Finished,
-    HandshakeDone,
-    Identity,
-    Mode,
-    NotificationReceived,
-    PostTransfer,
-    PrefillFinished,
-    Producer,
-    SendNotification,
-    Side,
-    StartHandshake,
-    TransferResult,
-)
-from kvfsm.fabric import SimNetwork
-from kvfsm.layout import KvGeometry
-from kvfsm.runtime import Engine, KvCache, LocalDirectory
-
-_CONFIG = CoreConfig(trace=True)  # history always on, as in production
-
-
-def _blocks(i: int) -> np.ndarray:
-    return np.array([i], dtype=np.int32)
-
-
-def core_wave(mode: Mode, n: int, p: Producer, d: Consumer, wave: int) -> None:
-    """Run n lifecycles through two cores, answering every command in place."""
-    queue: deque[tuple[Side, object]] = deque()
-    for i in range(n):
-        pid, did = f"w{wave}r{i}-0000000a", f"w{wave}r{i}-0000000b"
-        queue.append((p, Admit(pid, _blocks(i))))
-        queue.append((p, PrefillFinished(pid, _blocks(i))))
-        queue.append((d, Admit(did, _blocks(i), "P", 1, pid if mode == "pull" else "")))
-    finished = 0
-    while queue:
-        side, event = queue.popleft()
-        for cmd in side.handle(event, 0.0):
-            other = d if side is p else p
-            if isinstance(cmd, SendNotification):
-                queue.append((other, NotificationReceived(side.identity.agent, cmd.payload)))
-            elif isinstance(cmd, PostTransfer):
-                queue.append((side, TransferResult(cmd.request_id, cmd.transfer_id, True)))
-                queue.append((other, NotificationReceived(side.identity.agent, cmd.notification)))
-            elif isinstance(cmd, StartHandshake):
-                queue.append((side, HandshakeDone(cmd.peer)))
-            elif isinstance(cmd, Finished):
-                finished += 1
-    assert finished == 2 * n, f"only {finished} of {2 * n} sides finished"
-
-
-def engine_wave(mode: Mode, n: int, p: Engine, d: Engine, net: SimNetwork, wave: int) -> None:
-    """Run n lifecycles through two engines on the simulated fabric."""
-    for i in range(n):
-        pid, did = f"w{wave}r{i}-0000000a", f"w{wave}r{i}-0000000b"
-        p.submit(Admit(pid, _blocks(i)))
-        p.submit(PrefillFinished(pid, _blocks(i)))
-        d.submit(Admit(did, _blocks(i), "P", 1, pid if mode == "pull" else ""))
-    finished = 0
-    while finished < 2 * n:
-        net.advance(1e-3)
-        p.poll()
-        d.poll()
-        finished += sum(isinstance(o, Finished) for o in p.take_outputs() + d.take_outputs())
-
-
-def measure(run: Callable[[int], None], n: int, total: int, repeat: int) -> float:
-    """Best CPU microseconds per lifecycle over `repeat` runs of `total` lifecycles in waves of n."""
-    best = float("inf")
-    waves = max(1, total // n)
-    for attempt in range(repeat):
-        gc.collect()
-        start = time.process_time()
-        for wave in range(waves):
-            run(attempt * waves + wave)  # request ids never repeat
-        spent = time.process_time() - start
-        best = min(best, spent / (max(1, total // n) * n) * 1e6)
-    return best
-
-
-def bench(mode: Mode, n: int, total: int, repeat: int) -> dict[str, float]:
-    """Core and engine figures for one mode and number in flight."""
-    p, d = Producer(Identity("P"), mode, _CONFIG), Consumer(Identity("D"), mode, _CONFIG)
-    core_us = measure(lambda w: core_wave(mode, n, p, d, w), n, total, repeat)
-    net = SimNetwork(0)
-    directory = LocalDirectory(lambda: net.now)
-    # One region of 64-byte blocks (1 layer, 1 head of 32 bytes for K and V, 1 token).
-    geometry = KvGeometry(
-        num_layers=1, num_kv_heads=1, head_dim=32, dtype_bytes=1, block_size=1, num_blocks=max(n, 1)
-    )
-    engines = []
-    for side in (Producer(Identity("P"), mode, _CONFIG), Consumer(Identity("D"), mode, _CONFIG)):
-        kv = KvCache.allocate(geometry)
-        engine = Engine(side, net.agent(side.identity.agent), kv, directory.view(), lambda: net.now)
-        directory.publish(engine.agent, engine.info)
-        engines.append(engine)
-    engine_us = measure(
-        lambda w: engine_wave(mode, n, engines[0], engines[1], net, w), n, total, repeat
-    )
-    return {"core_us": round(core_us, 1), "engine_us": round(engine_us, 1)}
-
-
-def memory_per_request(mode: Mode, n: int) -> float:
-    """Bytes the two cores hold per request while n requests wait mid-transfer (P leased with
-    D registered and matched; no transfer finished)."""
-    p, d = Producer(Identity("P"), mode, _CONFIG), Consumer(Identity("D"), mode, _CONFIG)
-    p.handle(HandshakeDone("D#0"), 0.0)  # peers exist before the measurement
-    d.handle(HandshakeDone("P#0"), 0.0)
-    blocks = [_blocks(i) for i in range(n)]
-    gc.collect()
-    tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
-    for i in range(n):
-        pid, did = f"m{i}-0000000a", f"m{i}-0000000b"
-        p.handle(Admit(pid, blocks[i]), 0.0)
-        p.handle(PrefillFinished(pid, blocks[i]), 0.0)
-        d.handle(Admit(did, blocks[i], "P", 1, pid if mode == "pull" else ""), 0.0)
-    after = tracemalloc.get_traced_memory()[0]
-    tracemalloc.stop()
-    return (after - before) / n
+from kvfsm._bench_control import bench, memory_per_request
 
 
 def main() -> None:

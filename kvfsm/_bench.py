@@ -1,7 +1,8 @@
 """`kvfsm bench`: transfer throughput and latency side by side on one geometry and one set of
 requests. This first part measures the anchors (issue 5): raw NIXL posted vLLM's way with NIXL's
 default agent settings (a1), raw NIXL with the engine's agent settings (a2), and a memcpy of the
-same bytes (d). The engine's own figures (b, c) are not measured yet and print as missing."""
+same bytes (d), and the control plane's CPU per request lifecycle at several numbers in flight.
+The engine's own transfer figures (b, c) are not measured yet and print as missing."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from typing import Any
 
 import numpy as np
 
+from kvfsm._bench_control import bench as control_bench
 from kvfsm._bench_raw import BenchPlan, Variant, gbps, memcpy_gbps, plan_requests, run_variant
+from kvfsm.core import Mode
 
 __all__ = ["BenchOptions", "run_bench"]
 
@@ -22,10 +25,15 @@ class BenchOptions:
 
     def __init__(self, *, mode: str, allocation: str, block_kib: int, num_blocks: int,
                  regions: int, requests: int, blocks_per_request: int, inflight: int,
-                 seed: int) -> None:  # fmt: skip
+                 seed: int, control_in_flight: tuple[int, ...] = (),
+                 control_total: int = 0) -> None:  # fmt: skip
         if min(block_kib, num_blocks, regions, requests, blocks_per_request, inflight) < 1:
             raise ValueError("every size and count must be at least 1")
+        if control_total < 0 or any(n < 1 for n in control_in_flight):
+            raise ValueError("control-plane counts must be at least 1 (a total of 0 skips it)")
         self.mode, self.allocation, self.seed = mode, allocation, seed
+        self.control_in_flight = control_in_flight if control_total else ()
+        self.control_total = control_total
         src, dst = plan_requests(
             requests=requests, blocks=blocks_per_request, num_blocks=num_blocks,
             allocation=allocation, seed=seed,
@@ -60,13 +68,27 @@ def run_bench(options: BenchOptions, advance: Callable[[int], None]) -> dict[str
     report["memcpy_gbps"] = memcpy_gbps(plan)
     advance(1)
     report |= {"engine_gbps": None, "coalesced_gbps": None, "ratio_engine_raw": None,
-               "ratio_coalesced_raw": None, "control_us_per_request": None}  # fmt: skip
+               "ratio_coalesced_raw": None}  # fmt: skip
+    report |= _control_plane(options, advance)
     report["ratio_raw_vllm_style"] = report["raw_gbps"] / report["raw_vllm_style_gbps"]
     report["ratio_raw_memcpy"] = report["raw_gbps"] / report["memcpy_gbps"]
     report["verified"] = verified
     return report
 
 
-def steps() -> int:
+def _control_plane(options: BenchOptions, advance: Callable[[int], None]) -> dict[str, Any]:
+    """CPU µs per request lifecycle (P and D, no data) by requests in flight: the core alone,
+    and two engines on the simulated fabric."""
+    core: dict[str, float] = {}
+    engine: dict[str, float] = {}
+    mode: Mode = "push" if options.mode == "push" else "pull"
+    for n in options.control_in_flight:
+        figures = control_bench(mode, n, max(options.control_total, n), repeat=1)
+        core[str(n)], engine[str(n)] = figures["core_us"], figures["engine_us"]
+        advance(1)
+    return {"control_us_per_request": core or None, "control_engine_us_per_request": engine or None}
+
+
+def steps(options: BenchOptions) -> int:
     """Progress steps of one run."""
-    return len(_VARIANTS) + 1
+    return len(_VARIANTS) + 1 + len(options.control_in_flight)

@@ -101,4 +101,13 @@ def bench_table(report: dict[str, object]) -> None:
                  for x in ("ms_p50", "ms_p99", "cpu_us_per_request")]  # fmt: skip
         table.add_row(label, f"{value:.2f}", *cells, f"{float(value) / anchor:.2f}")  # type: ignore[arg-type]
     console.print(table)
+    control = report.get("control_us_per_request")
+    engine = report.get("control_engine_us_per_request")
+    if isinstance(control, dict) and isinstance(engine, dict):
+        plane = Table(title="control plane: CPU µs per request lifecycle (P and D, no data)")
+        for column in ("in flight", "core", "engines on SimFabric"):
+            plane.add_column(column, justify="right")
+        for n, us in control.items():
+            plane.add_row(n, f"{us:.1f}", f"{engine[n]:.1f}")
+        console.print(plane)
     console.print("every byte verified" if report["verified"] else "[red]BYTES WRONG[/red]")

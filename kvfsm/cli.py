@@ -65,6 +65,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--blocks-per-request", type=int, default=16)
     bench.add_argument("--inflight", type=int, default=4, help="transfers in flight at most")
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument(
+        "--control-in-flight", type=int, nargs="+", default=[10, 100, 1000, 10000],
+        help="requests in flight for the control-plane CPU figures",
+    )  # fmt: skip
+    bench.add_argument(
+        "--control-total", type=int, default=10000,
+        help="lifecycles per control-plane measurement (0 skips it)",
+    )  # fmt: skip
     bench.add_argument("--json", action="store_true", help="print one JSON object")
 
     diagrams = commands.add_parser("diagrams", help="generate docs/diagrams from models/")
@@ -126,11 +134,12 @@ def _bench(args: argparse.Namespace) -> int:
             mode=args.mode, allocation=args.allocation, block_kib=args.block_kib,
             num_blocks=args.blocks, regions=args.regions, requests=args.requests,
             blocks_per_request=args.blocks_per_request, inflight=args.inflight, seed=args.seed,
+            control_in_flight=tuple(args.control_in_flight), control_total=args.control_total,
         )  # fmt: skip
     except ValueError as exc:
         print(f"kvfsm bench: {exc}", file=sys.stderr)
         return 2
-    with progress_bar(steps(), enabled=not args.json, label="variants") as advance:
+    with progress_bar(steps(options), enabled=not args.json, label="measurements") as advance:
         report = run_bench(options, advance)
     if args.json:
         print(json.dumps(report, sort_keys=True))

@@ -12,7 +12,7 @@ from kvfsm._bench_raw import BenchPlan, _buffer, _check, plan_requests
 from kvfsm.cli import main
 
 _SMALL = ["--block-kib", "4", "--blocks", "64", "--regions", "2", "--requests", "8"]
-_SMALL += ["--blocks-per-request", "4"]
+_SMALL += ["--blocks-per-request", "4", "--control-in-flight", "5", "50", "--control-total", "100"]
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
@@ -29,6 +29,8 @@ def test_bench_reports_every_variant_with_bytes_verified(
     assert report["descriptors_per_request"] == 8 and report["bytes_per_request"] == 8 * 4096
     for key in ("engine_gbps", "coalesced_gbps", "ratio_engine_raw", "ratio_coalesced_raw"):
         assert report[key] is None  # not measured yet: said, not invented
+    assert set(report["control_us_per_request"]) == {"5", "50"}
+    assert all(us > 0 for us in report["control_engine_us_per_request"].values())
 
 
 def test_the_byte_check_fails_on_a_wrong_byte() -> None:
@@ -56,3 +58,11 @@ def test_plans_are_disjoint_and_fragmented_ones_are_not_runs() -> None:
 def test_bench_refuses_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--requests", "0"]) == 2
     assert "at least 1" in capsys.readouterr().err
+    assert main(["bench", "--control-in-flight", "0"]) == 2
+    assert "control-plane" in capsys.readouterr().err
+
+
+def test_the_table_shows_every_row(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", *_SMALL]) == 0
+    out = capsys.readouterr().out
+    assert all(s in out for s in ("a1 raw NIXL", "d  memcpy", "not measured", "control"))
