@@ -14,7 +14,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import time
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any, Literal
 
@@ -22,7 +21,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["BenchPlan", "Variant", "memcpy_gbps", "plan_requests", "run_variant"]
+__all__ = ["BenchPlan", "Variant", "gbps", "memcpy_gbps", "plan_requests", "run_variant"]
 
 Variant = Literal["raw_vllm_style", "raw"]
 # (progress thread, telemetry): NIXL's defaults, and what kvfsm's engine runs.
@@ -233,6 +232,3 @@ def memcpy_gbps(plan: BenchPlan, repeat: int = 3) -> float:
 def gbps(plan: BenchPlan, result: dict[str, Any]) -> float:
     """Throughput of one variant's run."""
     return plan.bytes_per_request * len(plan.src) / float(result["wall_s"]) / 1e9
-
-
-Progress = Callable[[int], None]

@@ -66,8 +66,6 @@ class KvfsmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     def _check(self) -> None:
         problems = []
-        if self.mode not in ("push", "pull"):
-            problems.append(f"mode must be 'push' or 'pull', not {self.mode!r}")
         if not 0 < self.side_channel_port < 65536:
             problems.append(f"side_channel_port must be 1..65535, not {self.side_channel_port}")
         if self.handshake_timeout_s <= 0 or self.drain_s < 0 or self.gil_switch_interval_us < 0:

@@ -62,6 +62,7 @@ class WorkerSide:
         self.loop: EngineLoop | None = None
         self.payload: HandshakePayload | None = None
         self._directory: ZmqDirectory | None = None
+        self._fabric: NixlFabric | None = None
         self._lock = threading.Lock()
         self._awaited: set[str] = set()  # guarded by _lock
         self._sending: set[str] = set()  # guarded by _lock
@@ -76,7 +77,7 @@ class WorkerSide:
         s, me = self.settings, self.identity
         mem_type = buffer_span(buffers[0]).mem_type
         core = (Producer if self.is_producer else Consumer)(me, s.mode, s.core_config())
-        fabric = NixlFabric(me.agent, mem_type=mem_type)
+        fabric = self._fabric = NixlFabric(me.agent, mem_type=mem_type)
         try:
             kv = KvCache(geometry, buffers)
             chash = compat_hash(
@@ -93,7 +94,7 @@ class WorkerSide:
             self.engine = Engine(core, fabric, kv, self._directory, time.monotonic)
             self.payload = payload_of(self.engine, compat_hash=chash, wire_version=WIRE_VERSION)
         except BaseException:
-            self._close_parts(fabric)
+            self._close_parts()
             raise
         self.loop = EngineLoop(
             self.engine, self._on_output, poll_min_s=s.poll_min_us * 1e-6,
@@ -188,11 +189,12 @@ class WorkerSide:
             engine = self.loop.engine
             counts = engine.counters + engine.side.counters + self.counters
             _log.info("kvfsm %s closed: %s", self.identity.agent, dict(sorted(counts.items())))
-        self._close_parts(self.engine.fabric if self.engine else None)
+        self._close_parts()
 
-    def _close_parts(self, fabric: NixlFabric | Any | None) -> None:
+    def _close_parts(self) -> None:
         if self._directory is not None:
             self._directory.close()
             self._directory = None
-        if fabric is not None:
-            fabric.close()
+        if self._fabric is not None:
+            self._fabric.close()
+            self._fabric = None
