@@ -1,8 +1,9 @@
 """`kvfsm bench`: transfer throughput and latency side by side on one geometry and one set of
-requests. This first part measures the anchors (issue 5): raw NIXL posted vLLM's way with NIXL's
-default agent settings (a1), raw NIXL with the engine's agent settings (a2), and a memcpy of the
-same bytes (d), and the control plane's CPU per request lifecycle at several numbers in flight.
-The engine's own transfer figures (b, c) are not measured yet and print as missing."""
+requests (issue 5): raw NIXL posted vLLM's way with NIXL's default agent settings (a1), raw NIXL
+with the engine's agent settings (a2; and a2 without NIXL's merging of adjacent rows, to show what
+that merging is worth), the kvfsm engine posting one row per block per region (b) and coalescing
+(c), a memcpy of the same bytes (d), and the control plane's CPU per request lifecycle at several
+numbers of requests in flight."""
 
 from __future__ import annotations
 
@@ -12,12 +13,20 @@ from typing import Any
 import numpy as np
 
 from kvfsm._bench_control import bench as control_bench
-from kvfsm._bench_raw import BenchPlan, Variant, gbps, memcpy_gbps, plan_requests, run_variant
+from kvfsm._bench_engine import run_engine_variant
+from kvfsm._bench_raw import BenchPlan, gbps, memcpy_gbps, plan_requests, run_variant
 from kvfsm.core import Mode
 
 __all__ = ["BenchOptions", "run_bench"]
 
-_VARIANTS: tuple[Variant, ...] = ("raw_vllm_style", "raw")
+# Report key -> how to run it, in the order they run.
+_VARIANTS: dict[str, Callable[[BenchPlan], dict[str, Any]]] = {
+    "raw_vllm_style": lambda plan: run_variant(plan, "raw_vllm_style"),
+    "raw": lambda plan: run_variant(plan, "raw"),
+    "raw_unmerged": lambda plan: run_variant(plan, "raw_unmerged"),
+    "engine": lambda plan: run_engine_variant(plan, coalesce=False),
+    "coalesced": lambda plan: run_engine_variant(plan, coalesce=True),
+}
 
 
 class BenchOptions:
@@ -56,24 +65,41 @@ def run_bench(options: BenchOptions, advance: Callable[[int], None]) -> dict[str
         "descriptors_per_request": len(plan.src[0]) * plan.regions, "inflight": plan.inflight,
     }  # fmt: skip
     verified = True
-    for variant in _VARIANTS:
-        result = run_variant(plan, variant)
-        lat_ms = 1e3 * np.asarray(result["latency_s"])
-        report[f"{variant}_gbps"] = gbps(plan, result)
-        report[f"{variant}_ms_p50"] = float(np.percentile(lat_ms, 50))
-        report[f"{variant}_ms_p99"] = float(np.percentile(lat_ms, 99))
-        report[f"{variant}_cpu_us_per_request"] = 1e6 * result["cpu_s"] / len(plan.src)
+    for variant, run in _VARIANTS.items():
+        result = run(plan)
+        report |= _figures(plan, variant, result)
         verified &= bool(result["verified"])
         advance(1)
     report["memcpy_gbps"] = memcpy_gbps(plan)
     advance(1)
-    report |= {"engine_gbps": None, "coalesced_gbps": None, "ratio_engine_raw": None,
-               "ratio_coalesced_raw": None}  # fmt: skip
     report |= _control_plane(options, advance)
-    report["ratio_raw_vllm_style"] = report["raw_gbps"] / report["raw_vllm_style_gbps"]
-    report["ratio_raw_memcpy"] = report["raw_gbps"] / report["memcpy_gbps"]
-    report["verified"] = verified
+    report |= {
+        "ratio_engine_raw": report["engine_gbps"] / report["raw_gbps"],
+        "ratio_coalesced_raw": report["coalesced_gbps"] / report["raw_vllm_style_gbps"],
+        "ratio_coalesced_engine": report["coalesced_gbps"] / report["engine_gbps"],
+        "ratio_raw_vllm_style": report["raw_gbps"] / report["raw_vllm_style_gbps"],
+        "ratio_raw_unmerged": report["raw_gbps"] / report["raw_unmerged_gbps"],
+        "ratio_raw_memcpy": report["raw_gbps"] / report["memcpy_gbps"],
+        "ratio_coalesced_memcpy": report["coalesced_gbps"] / report["memcpy_gbps"],
+        "verified": verified,
+    }  # fmt: skip
     return report
+
+
+def _figures(plan: BenchPlan, variant: str, result: dict[str, Any]) -> dict[str, Any]:
+    """One variant's figures: GB/s, latency percentiles, CPU and descriptors per request (as
+    posted, and as moved after NIXL's merging where its telemetry says)."""
+    lat_ms = 1e3 * np.asarray(result["latency_s"])
+    n = len(plan.src)
+    moved = result.get("fabric_descriptors")
+    return {
+        f"{variant}_gbps": gbps(plan, result),
+        f"{variant}_ms_p50": float(np.percentile(lat_ms, 50)),
+        f"{variant}_ms_p99": float(np.percentile(lat_ms, 99)),
+        f"{variant}_cpu_us_per_request": 1e6 * result["cpu_s"] / n,
+        f"{variant}_descriptors_per_request": result["descriptors"] / n,
+        f"{variant}_fabric_descriptors_per_request": None if moved is None else moved / n,
+    }
 
 
 def _control_plane(options: BenchOptions, advance: Callable[[int], None]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import time
+from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any, Literal
 
@@ -21,11 +22,26 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["BenchPlan", "Variant", "gbps", "memcpy_gbps", "plan_requests", "run_variant"]
+__all__ = [
+    "BenchPlan",
+    "Variant",
+    "buffer_of",
+    "check_sink",
+    "gbps",
+    "memcpy_gbps",
+    "plan_requests",
+    "recv_bounded",
+    "run_variant",
+]
 
-Variant = Literal["raw_vllm_style", "raw"]
-# (progress thread, telemetry): NIXL's defaults, and what kvfsm's engine runs.
-_SETTINGS: dict[str, tuple[bool, bool]] = {"raw_vllm_style": (True, False), "raw": (False, True)}
+Variant = Literal["raw_vllm_style", "raw", "raw_unmerged"]
+# (progress thread, telemetry, NIXL merges adjacent rows): NIXL's defaults, what kvfsm's engine
+# runs, and the same without NIXL's merging (to show what that merging is worth).
+_SETTINGS: dict[str, tuple[bool, bool, bool]] = {
+    "raw_vllm_style": (True, False, True),
+    "raw": (False, True, True),
+    "raw_unmerged": (False, True, False),
+}
 _BOUND_S = 120.0
 _TARGET_POLL_S = 200e-6
 
@@ -51,24 +67,54 @@ class BenchPlan(msgspec.Struct, frozen=True, kw_only=True):
         return len(self.src[0]) * self.block_bytes * self.regions
 
 
+Allocation = Literal["contiguous", "fragmented", "realistic"]
+ALLOCATIONS: tuple[Allocation, ...] = ("contiguous", "fragmented", "realistic")
+
+
 def plan_requests(
     *, requests: int, blocks: int, num_blocks: int, allocation: str, seed: int
 ) -> tuple[list[list[int]], list[list[int]]]:
-    """Source and destination block ids per request: consecutive runs (contiguous) or drawn from
-    a shuffled free list (fragmented), disjoint across requests on each side."""
+    """Source and destination block ids per request, disjoint across requests on each side:
+    consecutive runs (contiguous), drawn from a shuffled free list (fragmented, sorted), or taken
+    in order from the free queue of an allocator after churn (realistic)."""
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"allocation must be one of {ALLOCATIONS}, not {allocation!r}")
     if requests * blocks > num_blocks:
         raise ValueError(f"{requests} x {blocks} blocks do not fit in {num_blocks}")
     rng = np.random.default_rng(seed)
     sides = []
     for _ in range(2):
-        order = np.arange(num_blocks) if allocation == "contiguous" else rng.permutation(num_blocks)
-        ids = order[: requests * blocks].reshape(requests, blocks)
-        sides.append([sorted(map(int, row)) if allocation != "contiguous" else list(map(int, row))
-                      for row in ids])  # fmt: skip
+        if allocation == "contiguous":
+            order = list(range(num_blocks))
+        elif allocation == "fragmented":
+            order = [int(b) for b in rng.permutation(num_blocks)]
+        else:
+            order = churned_free_queue(num_blocks, blocks, rng)
+        rows = [order[i * blocks : (i + 1) * blocks] for i in range(requests)]
+        sides.append([sorted(row) for row in rows] if allocation == "fragmented" else rows)
     return sides[0], sides[1]
 
 
-def _buffer(plan: BenchPlan, source: bool) -> npt.NDArray[np.uint8]:
+def churned_free_queue(num_blocks: int, typical: int, rng: np.random.Generator) -> list[int]:
+    """The free queue of a block pool like vLLM's after a while of serving: requests of 1 to
+    2 x `typical` blocks take blocks from the head, and finished ones give theirs back to the
+    tail (last block first, as vLLM frees), in random order of finishing."""
+    free = deque(range(num_blocks))
+    live: list[list[int]] = []
+    for _ in range(8 * num_blocks // max(typical, 1)):
+        size = int(rng.integers(1, 2 * typical + 1))
+        if live and (len(free) < size or rng.random() < 0.5):
+            free.extend(reversed(live.pop(int(rng.integers(len(live))))))
+        else:
+            live.append([free.popleft() for _ in range(size)])
+    for i in rng.permutation(len(live)):
+        free.extend(reversed(live[int(i)]))
+    return list(free)
+
+
+def buffer_of(plan: BenchPlan, source: bool) -> npt.NDArray[np.uint8]:
+    """The whole KV buffer of one side: the source filled from the plan's seed, the sink zeroed
+    (and resident)."""
     size = plan.region_bytes * plan.regions
     if not source:
         buf = np.empty(size, dtype=np.uint8)
@@ -89,9 +135,9 @@ def _ids(plan: BenchPlan, blocks: list[int]) -> npt.NDArray[np.int64]:
     return (np.arange(plan.regions)[:, None] * plan.num_blocks + b[None, :]).ravel()
 
 
-def _check(plan: BenchPlan, sink: npt.NDArray[np.uint8]) -> bool:
+def check_sink(plan: BenchPlan, sink: npt.NDArray[np.uint8]) -> bool:
     """Every destination block of the sink holds its source block's bytes."""
-    source = _buffer(plan, True).reshape(plan.regions, plan.num_blocks, plan.block_bytes)
+    source = buffer_of(plan, True).reshape(plan.regions, plan.num_blocks, plan.block_bytes)
     got = sink.reshape(plan.regions, plan.num_blocks, plan.block_bytes)
     return all(
         np.array_equal(got[:, d], source[:, s]) for s, d in zip(plan.src, plan.dst, strict=True)
@@ -102,10 +148,10 @@ def _target(plan: BenchPlan, variant: Variant, conn: Connection) -> None:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     from kvfsm.fabric import NixlFabric
 
-    thread, telemetry = _SETTINGS[variant]
+    thread, telemetry, _ = _SETTINGS[variant]
     fabric = NixlFabric("bench-target", progress_thread=thread, telemetry=telemetry)
     source = plan.op == "READ"  # the initiator READs from us, or WRITEs into us
-    buf = _buffer(plan, source)
+    buf = buffer_of(plan, source)
     handle = fabric.register_memory(buf)
     conn.send((fabric.get_agent_metadata(), int(buf.ctypes.data)))
     # Without NIXL's progress thread the target must progress UCX itself (TCP rendezvous needs
@@ -113,7 +159,7 @@ def _target(plan: BenchPlan, variant: Variant, conn: Connection) -> None:
     while not conn.poll(_TARGET_POLL_S):
         fabric.get_new_notifs()
     conn.recv()  # the initiator is done
-    conn.send(True if source else _check(plan, buf))
+    conn.send(True if source else check_sink(plan, buf))
     fabric.deregister_memory(handle)
     fabric.close()
 
@@ -122,24 +168,28 @@ def _initiator(plan: BenchPlan, variant: Variant, remote: tuple[bytes, int]) -> 
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     from kvfsm.fabric import NixlFabric
 
-    thread, telemetry = _SETTINGS[variant]
+    thread, telemetry, merge = _SETTINGS[variant]
     fabric = NixlFabric("bench-initiator", progress_thread=thread, telemetry=telemetry)
     source = plan.op == "WRITE"
-    buf = _buffer(plan, source)
+    buf = buffer_of(plan, source)
     mem = fabric.register_memory(buf)
     peer = fabric.add_remote_agent(remote[0])
     local = fabric.prep_xfer_dlist(None, _rows(plan, int(buf.ctypes.data)))
     far = fabric.prep_xfer_dlist(peer, _rows(plan, remote[1]))
     mine, theirs = (plan.src, plan.dst) if source else (plan.dst, plan.src)
-    latencies, cpu0, t0 = _post_all(fabric, plan, local, far, mine, theirs)
+    latencies, moved, cpu0, t0 = _post_all(fabric, plan, local, far, mine, theirs, merge)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    ok = True if source else _check(plan, buf)
+    ok = True if source else check_sink(plan, buf)
     for dlist in (local, far):
         fabric.release_dlist_handle(dlist)
     fabric.remove_remote_agent(peer)
     fabric.deregister_memory(mem)
     fabric.close()
-    return {"wall_s": wall, "cpu_s": cpu, "latency_s": latencies, "verified": ok}
+    posted = len(plan.src) * len(plan.src[0]) * plan.regions
+    return {
+        "wall_s": wall, "cpu_s": cpu, "latency_s": latencies, "verified": ok,
+        "descriptors": posted, "fabric_descriptors": moved if telemetry else None,
+    }  # fmt: skip
 
 
 def _post_all(
@@ -149,10 +199,13 @@ def _post_all(
     far: int,
     mine: list[list[int]],
     theirs: list[list[int]],
-) -> tuple[list[float], float, float]:
-    """Post every request, at most `plan.inflight` at once; each request's post-to-DONE time."""
+    merge: bool,
+) -> tuple[list[float], int, float, float]:
+    """Post every request, at most `plan.inflight` at once; each request's post-to-DONE time and
+    the rows NIXL moved (after its merging, per its telemetry)."""
     pending: dict[int, float] = {}
     latencies: list[float] = []
+    moved = 0
     cpu0, t0, deadline = time.process_time(), time.perf_counter(), time.monotonic() + _BOUND_S
     for i in range(len(mine) + plan.inflight):
         while pending and (len(pending) >= plan.inflight or i >= len(mine)):
@@ -164,15 +217,17 @@ def _post_all(
                     raise RuntimeError("a transfer ended in ERR")
                 if state == "DONE":
                     latencies.append(time.perf_counter() - start)
+                    telemetry = fabric.xfer_telemetry(h)
+                    moved += telemetry.descriptors if telemetry else 0
                     fabric.release_xfer_handle(h)
                     del pending[h]
         if i < len(mine):
             h = fabric.make_prepped_xfer(
-                plan.op, local, _ids(plan, mine[i]), far, _ids(plan, theirs[i]), b""
+                plan.op, local, _ids(plan, mine[i]), far, _ids(plan, theirs[i]), b"", merge=merge
             )
             pending[h] = time.perf_counter()
             fabric.transfer(h)
-    return latencies, cpu0, t0
+    return latencies, moved, cpu0, t0
 
 
 def _initiator_main(plan: BenchPlan, variant: Variant, conn: Connection) -> None:
@@ -196,12 +251,12 @@ def run_variant(plan: BenchPlan, variant: Variant) -> dict[str, Any]:
     for p in procs:
         p.start()
     try:
-        i_conn.send(_recv(t_conn, "target"))
-        status, result = _recv(i_conn, "initiator")
+        i_conn.send(recv_bounded(t_conn, "target"))
+        status, result = recv_bounded(i_conn, "initiator")
         if status != "ok":
             raise RuntimeError(f"bench initiator ({variant}): {result}")
         t_conn.send("done")
-        result["verified"] = bool(result["verified"] and _recv(t_conn, "target"))
+        result["verified"] = bool(result["verified"] and recv_bounded(t_conn, "target"))
         return dict(result)
     finally:
         for p in procs:
@@ -210,7 +265,8 @@ def run_variant(plan: BenchPlan, variant: Variant) -> dict[str, Any]:
                 p.kill()
 
 
-def _recv(conn: Connection, who: str) -> Any:
+def recv_bounded(conn: Connection, who: str) -> Any:
+    """The next message from a bench process, or TimeoutError after the bound."""
     if not conn.poll(_BOUND_S):
         raise TimeoutError(f"the bench {who} did not answer in {_BOUND_S}s")
     return conn.recv()
@@ -218,8 +274,8 @@ def _recv(conn: Connection, who: str) -> Any:
 
 def memcpy_gbps(plan: BenchPlan, repeat: int = 3) -> float:
     """GB/s of copying the same blocks between two host buffers (numpy gather/scatter)."""
-    src = _buffer(plan, True).reshape(plan.regions, plan.num_blocks, plan.block_bytes)
-    dst = _buffer(plan, False).reshape(plan.regions, plan.num_blocks, plan.block_bytes)
+    src = buffer_of(plan, True).reshape(plan.regions, plan.num_blocks, plan.block_bytes)
+    dst = buffer_of(plan, False).reshape(plan.regions, plan.num_blocks, plan.block_bytes)
     best = float("inf")
     for _ in range(repeat):
         t0 = time.perf_counter()

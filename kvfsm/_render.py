@@ -82,24 +82,35 @@ def bench_table(report: dict[str, object]) -> None:
         f" {report['descriptors_per_request']} descriptors of {report['block_bytes']} B per request"
     )
     table = Table(title=title)
-    for column in ("variant", "GB/s", "p50 ms", "p99 ms", "CPU us/request", "vs a1"):
+    columns = (
+        "variant",
+        "GB/s",
+        "p50 ms",
+        "p99 ms",
+        "CPU us/request",
+        "rows posted/moved",
+        "vs a1",
+    )
+    for column in columns:
         table.add_column(column, justify="left" if column == "variant" else "right")
     anchor = float(report["raw_vllm_style_gbps"])  # type: ignore[arg-type]
     rows = [
-        ("a1 raw NIXL, vLLM's way", "raw_vllm_style"),
-        ("a2 raw NIXL, kvfsm's settings", "raw"),
-        ("b  engine, per block", "engine"),
-        ("c  engine, coalesced", "coalesced"),
+        ("a1 raw, vLLM's way", "raw_vllm_style"),
+        ("a2 raw, kvfsm's settings", "raw"),
+        ("a2 raw, unmerged", "raw_unmerged"),
+        ("b  engine per block", "engine"),
+        ("c  engine coalesced", "coalesced"),
         ("d  memcpy", "memcpy"),
     ]
     for label, key in rows:
-        value = report.get(f"{key}_gbps")
-        if value is None:
-            table.add_row(label, "not measured yet", "", "", "", "")
-            continue
-        cells = [f"{report.get(f'{key}_{x}', 0.0):.2f}" if f"{key}_{x}" in report else ""
+        value = float(report[f"{key}_gbps"])  # type: ignore[arg-type]
+        cells = [f"{report[f'{key}_{x}']:.2f}" if f"{key}_{x}" in report else ""
                  for x in ("ms_p50", "ms_p99", "cpu_us_per_request")]  # fmt: skip
-        table.add_row(label, f"{value:.2f}", *cells, f"{float(value) / anchor:.2f}")  # type: ignore[arg-type]
+        posted, moved = (report.get(f"{key}_{x}descriptors_per_request") for x in ("", "fabric_"))
+        rows_cell = (
+            "" if posted is None else f"{posted:.0f}/{'?' if moved is None else f'{moved:.0f}'}"
+        )
+        table.add_row(label, f"{value:.2f}", *cells, rows_cell, f"{value / anchor:.2f}")
     console.print(table)
     control = report.get("control_us_per_request")
     engine = report.get("control_engine_us_per_request")

@@ -52,12 +52,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     bench = commands.add_parser(
         "bench",
-        help="transfer throughput side by side: raw NIXL (vLLM's way, kvfsm's settings), memcpy",
+        help="throughput side by side: raw NIXL (vLLM's way, kvfsm's settings), the engine, memcpy",
     )
     bench.add_argument(
         "--mode", choices=["push", "pull"], default="push", help="push: WRITE; pull: READ"
     )
-    bench.add_argument("--allocation", choices=["contiguous", "fragmented"], default="contiguous")
+    bench.add_argument(
+        "--allocation", choices=["contiguous", "fragmented", "realistic"], default="contiguous",
+        help="how requests' blocks lie: runs, a shuffled free list, or an allocator after churn",
+    )  # fmt: skip
     bench.add_argument("--block-kib", type=int, default=16, help="bytes of one block in one region")
     bench.add_argument("--blocks", type=int, default=2048, help="blocks per region")
     bench.add_argument("--regions", type=int, default=4, help="regions (layers x K/V)")

@@ -151,12 +151,27 @@ class NixlFabric:
         remote: DlistHandle,
         remote_idx: npt.NDArray[np.int64],
         notif: bytes,
+        *,
+        merge: bool = True,
     ) -> XferHandle:
-        """Create a transfer between rows of two prepared lists (NIXL merges adjacent rows)."""
+        """Create a transfer between rows of two prepared lists (NIXL merges rows adjacent on
+        both sides, unless `merge` is False: for measuring what that merging is worth)."""
         with self._translated():
             xfer = self._agent.make_prepped_xfer(
                 op, self._get(self._dlists, local), local_idx, self._get(self._dlists, remote),
-                remote_idx, notif,
+                remote_idx, notif, skip_desc_merge=not merge,
+            )  # fmt: skip
+        return self._keep(self._xfers, xfer)
+
+    def make_xfer(
+        self, op: XferOp, local: DescArray, agent: str, remote: DescArray, notif: bytes
+    ) -> XferHandle:
+        """Create a transfer between descriptor rows given directly (`initialize_xfer`: no
+        merging of adjacent rows)."""
+        with self._translated():
+            xfer = self._agent.initialize_xfer(
+                op, self._agent.get_xfer_descs(local, self._mem_type),
+                self._agent.get_xfer_descs(remote, self._mem_type), agent, notif,
             )  # fmt: skip
         return self._keep(self._xfers, xfer)
 

@@ -122,6 +122,14 @@ class Fabric(Protocol):
         """Create a transfer between rows of two prepared lists, with a completion notification."""
         ...
 
+    def make_xfer(
+        self, op: XferOp, local: DescArray, agent: str, remote: DescArray, notif: bytes
+    ) -> XferHandle:
+        """Create a transfer between descriptor rows given directly (no prepared lists; NIXL's
+        `initialize_xfer`): local rows pair with the loaded peer `agent`'s rows, row for row.
+        Unlike the prepped path, adjacent rows are not merged: the caller coalesces."""
+        ...
+
     def transfer(self, handle: XferHandle) -> XferState:
         """Post a transfer. May complete inside the call."""
         ...

@@ -228,12 +228,9 @@ class SimFabric:
         remote_idx: npt.NDArray[np.int64],
         notif: bytes,
     ) -> XferHandle:
-        """Pair ``local[local_idx[i]]`` with ``remote[remote_idx[i]]``; lengths must match."""
+        """Pair ``local[local_idx[i]]`` with ``remote[remote_idx[i]]``; lengths must match.
+        Rows adjacent on both sides count as one, as NIXL's prepped path merges them."""
         self._usable()
-        if op not in ("WRITE", "READ"):
-            raise FabricError(f"unknown transfer op {op!r}")
-        if not isinstance(notif, bytes):
-            raise FabricError("notif must be bytes (b'' for none)")
         ld, rd = self._dlists.get(local), self._dlists.get(remote)
         if ld is None or rd is None:
             raise NotFoundError(f"unknown dlist handle {local if ld is None else remote}")
@@ -243,20 +240,54 @@ class SimFabric:
         ri = indices(remote_idx, len(rd.region), "remote_idx")
         if len(li) != len(ri):
             raise FabricError(f"local_idx has {len(li)} rows but remote_idx has {len(ri)}")
-        bad = np.flatnonzero(ld.length[li] != rd.length[ri])
+        return self._new_xfer(
+            op, rd.peer, rd.gen, (ld.region[li], ld.offset[li], ld.length[li]),
+            (rd.region[ri], rd.offset[ri], rd.length[ri]), notif, merge=True,
+        )  # fmt: skip
+
+    def make_xfer(
+        self, op: XferOp, local: DescArray, agent: str, remote: DescArray, notif: bytes
+    ) -> XferHandle:
+        """Pair local row i with the loaded peer's row i, as `initialize_xfer` does: every row
+        is checked against registered memory, and none are merged."""
+        self._usable()
+        meta = self._remote(agent)
+        mine = {h: (r.addr, r.length) for h, r in self._regions.items()}
+        lr, lo = resolve(local, mine, f"{self._name!r}")
+        rr, ro = resolve(remote, {h: (a, n) for h, a, n in meta.regions}, f"{agent!r}")
+        if len(lr) != len(rr):
+            raise FabricError(f"{len(lr)} local rows cannot pair with {len(rr)} remote rows")
+        return self._new_xfer(
+            op, agent, meta.gen, (lr, lo, local[:, 1].copy()), (rr, ro, remote[:, 1].copy()),
+            notif, merge=False,
+        )  # fmt: skip
+
+    def _new_xfer(
+        self,
+        op: XferOp,
+        peer: str,
+        gen: int,
+        local: tuple[I64, I64, I64],
+        remote: tuple[I64, I64, I64],
+        notif: bytes,
+        *,
+        merge: bool,
+    ) -> XferHandle:
+        if op not in ("WRITE", "READ"):
+            raise FabricError(f"unknown transfer op {op!r}")
+        if not isinstance(notif, bytes):
+            raise FabricError("notif must be bytes (b'' for none)")
+        (lr, lo, length), (rr, ro, rlen) = local, remote
+        bad = np.flatnonzero(length != rlen)
         if bad.size:
             i = int(bad[0])
             raise FabricError(
-                f"pair {i}: local row {int(li[i])} has {int(ld.length[li[i]])} bytes but "
-                f"remote row {int(ri[i])} has {int(rd.length[ri[i]])}"
+                f"pair {i}: the local row has {int(length[i])} bytes but the remote row has"
+                f" {int(rlen[i])}"
             )
+        merged = merged_rows(lr, lo, rr, ro, length) if merge else len(length)
         handle = self._net._next_id()
-        length = ld.length[li]
-        merged = merged_rows(ld.region[li], ld.offset[li], rd.region[ri], rd.offset[ri], length)
-        self._xfers[handle] = _Xfer(
-            op, rd.peer, rd.gen, ld.region[li], ld.offset[li], rd.region[ri], rd.offset[ri],
-            length, notif, merged,
-        )  # fmt: skip
+        self._xfers[handle] = _Xfer(op, peer, gen, lr, lo, rr, ro, length, notif, merged)
         return handle
 
     def transfer(self, handle: XferHandle) -> XferState:

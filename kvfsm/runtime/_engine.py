@@ -36,7 +36,7 @@ from kvfsm.core import (
     TransferResult,
 )
 from kvfsm.fabric import Fabric, FabricError, RemoteDisconnectedError, XferHandle
-from kvfsm.layout import Int64Array, RegionLayout
+from kvfsm.layout import Int64Array, RegionLayout, coalesce
 from kvfsm.runtime._kv import KvCache
 from kvfsm.runtime._routes import Route, plan_route, prepare_route
 from kvfsm.runtime._trace import RequestTrace, TransferStats, trace_of
@@ -91,7 +91,12 @@ class Engine:
         kv: KvCache,
         directory: Directory,
         clock: Callable[[], float],
+        *,
+        coalesce: bool = False,
     ) -> None:
+        """`coalesce`: post each transfer as descriptor rows merged where adjacent on both sides
+        (dynamic lists) instead of one prepared row per block per region (docs/performance.md
+        compares the two)."""
         self.side = side
         self.fabric = fabric
         self.kv = kv
@@ -102,6 +107,7 @@ class Engine:
         self.inflight: dict[int, InFlight] = {}
         self._local_is_p = side.side == "P"
         self._posts = self._local_is_p == (side.mode == "push")  # P WRITEs in push, D READs in pull
+        self._coalesce = coalesce
         self._memory: list[int] = []
         try:
             for buffer in kv.buffers:
@@ -272,10 +278,20 @@ class Engine:
         assert route.local is not None and route.remote is not None  # prepared on a posting side
         local_rows, remote_rows = rows
         handle = None
+        descriptors = len(local_rows)
         try:
-            handle = self.fabric.make_prepped_xfer(
-                cmd.op, route.local, local_rows, route.remote, remote_rows, cmd.notification
-            )
+            if self._coalesce and route.descriptors is not None:
+                merged = coalesce(
+                    route.descriptors[0][local_rows], route.descriptors[1][remote_rows]
+                )
+                descriptors = merged.after
+                handle = self.fabric.make_xfer(
+                    cmd.op, merged.local, cmd.peer, merged.remote, cmd.notification
+                )
+            else:
+                handle = self.fabric.make_prepped_xfer(
+                    cmd.op, route.local, local_rows, route.remote, remote_rows, cmd.notification
+                )
             state = self.fabric.transfer(handle)
         except FabricError as exc:
             if isinstance(exc, RemoteDisconnectedError):
@@ -283,8 +299,8 @@ class Engine:
             self._post_failed(cmd, stats, handle, str(exc))
             return
         self.counters["posted"] += 1
-        self.counters["descriptors"] += len(local_rows)
-        stats.descriptors += len(local_rows)
+        self.counters["descriptors"] += descriptors
+        stats.descriptors += descriptors
         flight = InFlight(
             cmd.request_id, handle, cmd.peer, cmd.op, len(local_rows) * route.row_bytes
         )

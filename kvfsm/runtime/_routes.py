@@ -36,6 +36,7 @@ class Route(NamedTuple):
     local: DlistHandle | None = None
     remote: DlistHandle | None = None
     row_bytes: int = 0
+    descriptors: tuple[Int64Array, Int64Array] | None = None  # the prepared lists' rows
 
     def rows(
         self, local_blocks: BlockIds, remote_blocks: BlockIds
@@ -82,10 +83,14 @@ def prepare_route(
     if route.pairing is None:
         return route
     rows = route.pairing.local_descriptors(kv.layout)
+    far = route.pairing.remote_descriptors(layout)
     local = fabric.prep_xfer_dlist(None, rows)
     try:
-        remote = fabric.prep_xfer_dlist(peer, route.pairing.remote_descriptors(layout))
+        remote = fabric.prep_xfer_dlist(peer, far)
     except BaseException:
         fabric.release_dlist_handle(local)
         raise
-    return route._replace(local=local, remote=remote, row_bytes=int(rows[0, 1]) if len(rows) else 0)
+    return route._replace(
+        local=local, remote=remote, row_bytes=int(rows[0, 1]) if len(rows) else 0,
+        descriptors=(rows, far),
+    )  # fmt: skip

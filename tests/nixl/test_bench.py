@@ -1,5 +1,6 @@
-"""`kvfsm bench` (first part: raw NIXL anchors and memcpy): real NIXL agents in two processes,
-every transferred byte checked; the figures themselves are not asserted (benchmarks print them)."""
+"""`kvfsm bench`: raw NIXL anchors, the engine per block and coalesced, memcpy; real NIXL agents
+and engines in two processes, every transferred byte checked; the figures themselves are not
+asserted (benchmarks print them), what was moved and how is."""
 
 from __future__ import annotations
 
@@ -8,15 +9,17 @@ import json
 import numpy as np
 import pytest
 
-from kvfsm._bench_raw import BenchPlan, _buffer, _check, plan_requests
+from kvfsm._bench_raw import BenchPlan, buffer_of, check_sink, churned_free_queue, plan_requests
 from kvfsm.cli import main
 
 _SMALL = ["--block-kib", "4", "--blocks", "64", "--regions", "2", "--requests", "8"]
 _SMALL += ["--blocks-per-request", "4", "--control-in-flight", "5", "50", "--control-total", "100"]
 
 
-@pytest.mark.parametrize("mode", ["push", "pull"])
-@pytest.mark.parametrize("allocation", ["contiguous", "fragmented"])
+@pytest.mark.parametrize(
+    ("mode", "allocation"),
+    [("push", "contiguous"), ("pull", "contiguous"), ("push", "fragmented"), ("pull", "realistic")],
+)
 def test_bench_reports_every_variant_with_bytes_verified(
     mode: str, allocation: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -24,11 +27,21 @@ def test_bench_reports_every_variant_with_bytes_verified(
     report = json.loads(capsys.readouterr().out)
     assert report["verified"] is True
     assert report["op"] == ("WRITE" if mode == "push" else "READ")
-    for key in ("raw_vllm_style_gbps", "raw_gbps", "memcpy_gbps", "ratio_raw_vllm_style"):
+    variants = ("raw_vllm_style", "raw", "raw_unmerged", "engine", "coalesced", "memcpy")
+    for key in (*(f"{v}_gbps" for v in variants), "ratio_engine_raw", "ratio_coalesced_raw"):
         assert report[key] > 0
     assert report["descriptors_per_request"] == 8 and report["bytes_per_request"] == 8 * 4096
-    for key in ("engine_gbps", "coalesced_gbps", "ratio_engine_raw", "ratio_coalesced_raw"):
-        assert report[key] is None  # not measured yet: said, not invented
+    # Rows posted per request: one per block per region, except the coalescing engine's.
+    for variant in ("raw_vllm_style", "raw", "raw_unmerged", "engine"):
+        assert report[f"{variant}_descriptors_per_request"] == 8
+    assert report["raw_unmerged_fabric_descriptors_per_request"] == 8  # NIXL merged nothing
+    coalesced = report["coalesced_descriptors_per_request"]
+    assert report["coalesced_fabric_descriptors_per_request"] == coalesced  # dynamic: no merging
+    if allocation == "contiguous":  # one run per region: NIXL's merge and kvfsm's agree
+        assert coalesced == 2 == report["raw_fabric_descriptors_per_request"]
+        assert report["engine_fabric_descriptors_per_request"] == 2
+    else:
+        assert 2 <= coalesced <= 8
     assert set(report["control_us_per_request"]) == {"5", "50"}
     assert all(us > 0 for us in report["control_engine_us_per_request"].values())
 
@@ -36,13 +49,13 @@ def test_bench_reports_every_variant_with_bytes_verified(
 def test_the_byte_check_fails_on_a_wrong_byte() -> None:
     src, dst = plan_requests(requests=2, blocks=3, num_blocks=16, allocation="fragmented", seed=1)
     plan = BenchPlan(block_bytes=64, num_blocks=16, regions=2, op="WRITE", src=src, dst=dst)
-    sink = _buffer(plan, False).reshape(2, 16, 64)
-    source = _buffer(plan, True).reshape(2, 16, 64)
+    sink = buffer_of(plan, False).reshape(2, 16, 64)
+    source = buffer_of(plan, True).reshape(2, 16, 64)
     for s, d in zip(src, dst, strict=True):
         sink[:, d] = source[:, s]
-    assert _check(plan, sink.ravel())
+    assert check_sink(plan, sink.ravel())
     sink[1, dst[1][2], 63] ^= 1
-    assert not _check(plan, sink.ravel())
+    assert not check_sink(plan, sink.ravel())
 
 
 def test_plans_are_disjoint_and_fragmented_ones_are_not_runs() -> None:
@@ -65,4 +78,16 @@ def test_bench_refuses_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
 def test_the_table_shows_every_row(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", *_SMALL]) == 0
     out = capsys.readouterr().out
-    assert all(s in out for s in ("a1 raw NIXL", "d  memcpy", "not measured", "control"))
+    rows = ("a1 raw", "a2 raw", "unmerged", "b  engine", "c  engine", "d  memcpy")
+    assert all(s in out for s in (*rows, "control", "every byte verified"))
+
+
+def test_a_churned_free_queue_holds_every_block_once_in_broken_runs() -> None:
+    queue = churned_free_queue(256, 8, np.random.default_rng(3))
+    assert sorted(queue) == list(range(256))
+    breaks = int(np.count_nonzero(np.diff(queue) != 1))
+    assert 0 < breaks < 255  # neither the fresh pool's one run nor a shuffle
+    src, _ = plan_requests(requests=4, blocks=8, num_blocks=64, allocation="realistic", seed=0)
+    assert len({b for row in src for b in row}) == 32
+    with pytest.raises(ValueError, match="allocation must be one of"):
+        plan_requests(requests=1, blocks=1, num_blocks=4, allocation="packed", seed=0)

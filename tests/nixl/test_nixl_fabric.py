@@ -96,11 +96,13 @@ def test_register_refuses_what_is_not_a_byte_buffer(pair: tuple[NixlFabric, Nixl
         pair[0].register_memory(np.zeros((2, 2), dtype=np.uint8))
 
 
+@pytest.mark.parametrize("coalesce", [False, True])
 @pytest.mark.parametrize("mode", ["push", "pull"])
-def test_engines_move_verified_kv_over_real_nixl(mode: Mode) -> None:
+def test_engines_move_verified_kv_over_real_nixl(mode: Mode, coalesce: bool) -> None:
     """P and D engines, real agents, a handshake through the directory, 20 requests; every byte
     D reports received holds what P's prefill wrote (into D's per-layer torch tensors); every
-    request ends with a trace of its bytes and descriptors, NIXL's telemetry included."""
+    request ends with a trace of its bytes and descriptors, NIXL's telemetry included. With
+    `coalesce`, the engine posts one row per run of adjacent blocks (NIXL's dynamic lists)."""
     n = next(_names)
     directory = LocalDirectory(time.monotonic)
     geometry = KvGeometry(
@@ -112,7 +114,9 @@ def test_engines_move_verified_kv_over_real_nixl(mode: Mode) -> None:
     caches = {"P": KvCache.allocate(geometry), "D": KvCache(geometry, d_layers)}
     for side in (Producer(Identity(f"P{n}"), mode), Consumer(Identity(f"D{n}"), mode)):
         fabric = NixlFabric(side.identity.agent)
-        engine = Engine(side, fabric, caches[side.side], directory.view(), time.monotonic)
+        engine = Engine(
+            side, fabric, caches[side.side], directory.view(), time.monotonic, coalesce=coalesce
+        )
         directory.publish(engine.agent, engine.info)
         engines[side.side] = engine
     p, d = engines["P"], engines["D"]
@@ -147,7 +151,9 @@ def test_engines_move_verified_kv_over_real_nixl(mode: Mode) -> None:
             poster = traces[pid] if mode == "push" else traces[did]
             stats = poster.stats
             assert stats.transfers == 1 and stats.bytes == len(blocks) * p.kv.block_bytes
-            assert stats.descriptors == 2 * len(blocks)  # one per block per layer
+            runs = 1 + int(np.count_nonzero(np.diff(blocks) != 1))  # same ids on both sides
+            # One row per block per layer, or per run of adjacent blocks per layer (coalesced).
+            assert stats.descriptors == 2 * (runs if coalesce else len(blocks))
             assert 1 <= stats.fabric_descriptors <= stats.descriptors and stats.xfer_us >= 0
             assert set(poster.time_in_state_s) >= {"allocated"}
         assert not p.side.requests and not d.side.requests

@@ -57,7 +57,9 @@ def test_bigger_d_blocks_pair_after_a_prefix_hit(mode: Mode, n: int, cached: int
     assert cluster.ledger.verified_bytes == tokens * token_bytes  # every token D holds, no more
 
 
-def _engines(mode: Mode, p: KvGeometry, d: KvGeometry) -> tuple[SimNetwork, Engine, Engine]:
+def _engines(
+    mode: Mode, p: KvGeometry, d: KvGeometry, *, coalesce: bool = False
+) -> tuple[SimNetwork, Engine, Engine]:
     net = SimNetwork(0)
     directory = LocalDirectory(lambda: net.now)
     engines = []
@@ -68,6 +70,7 @@ def _engines(mode: Mode, p: KvGeometry, d: KvGeometry) -> tuple[SimNetwork, Engi
             KvCache.allocate(g),
             directory.view(),
             lambda: net.now,
+            coalesce=coalesce,
         )
         directory.publish(engine.agent, engine.info)
         engines.append(engine)
@@ -173,3 +176,28 @@ def test_hnc_pages_move_head_slices_between_tp_sizes(mode: Mode, p_tp: int, d_tp
     _settle(cluster)
     assert all(set(pr.final.values()) == {"done"} for pr in prs)
     assert cluster.ledger.verified_bytes > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_coalescing_posts_one_row_per_run_adjacent_on_both_sides(mode: Mode) -> None:
+    net, p, d = _engines(mode, SIM_GEOMETRY, SIM_GEOMETRY, coalesce=True)
+    p_blocks = np.array([4, 5, 6, 9], dtype=np.int32)  # runs 4-6 and 9 on P
+    d_blocks = np.array([10, 11, 12, 13], dtype=np.int32)  # one run on D
+    for i, block in enumerate(p_blocks):
+        p.kv.fill_blocks([int(block)], 0x21 + i)
+    p.submit(Admit("r-0000000a", p_blocks))
+    p.submit(PrefillFinished("r-0000000a", p_blocks))
+    d.submit(Admit("r-0000000b", d_blocks, "P", 1, "r-0000000a"))
+    outputs: list[object] = []
+    _run(net, (p, d), outputs, until=2)
+    traces = {o.request_id: o for o in outputs if isinstance(o, RequestTrace)}
+    poster = traces["r-0000000a" if mode == "push" else "r-0000000b"]
+    assert poster.state == "done" and poster.stats.bytes == 4 * p.kv.block_bytes
+    # Two runs per layer region, merged by kvfsm; the fabric's dynamic path merges nothing more.
+    assert poster.stats.descriptors == 2 * SIM_GEOMETRY.num_regions
+    assert poster.stats.fabric_descriptors == 2 * SIM_GEOMETRY.num_regions
+    for p_region, d_region in zip(p.kv.regions(), d.kv.regions(), strict=True):
+        p_view = p_region.reshape(SIM_GEOMETRY.num_blocks, -1)
+        d_view = d_region.reshape(SIM_GEOMETRY.num_blocks, -1)
+        np.testing.assert_array_equal(d_view[d_blocks], p_view[p_blocks])
+        assert (d_view[d_blocks] != 0).all()  # the filled bytes, not two zeroed caches

@@ -263,6 +263,27 @@ def test_make_prepped_xfer_validates_its_arguments() -> None:
     assert p.a.open_resources()["xfers"] == 0
 
 
+def test_make_xfer_moves_rows_given_directly_without_merging_them() -> None:
+    p = make_pair()
+    local, remote = descs(p.abuf, [(0, 8), (8, 8)]), descs(p.bbuf, [(16, 8), (24, 8)])
+    h = p.a.make_xfer("WRITE", local, "b", remote, b"")
+    assert p.a.transfer(h) == "DONE"
+    np.testing.assert_array_equal(p.bbuf[16:32], p.abuf[0:16])
+    assert not p.bbuf[:16].any() and not p.bbuf[32:].any()
+    telemetry = p.a.xfer_telemetry(h)
+    assert telemetry is not None and telemetry.descriptors == 2  # adjacent, yet not merged
+    with pytest.raises(FabricError, match="pair 1"):
+        p.a.make_xfer("WRITE", local, "b", descs(p.bbuf, [(0, 8), (8, 4)]), b"")
+    with pytest.raises(FabricError, match="not inside memory registered by 'b'"):
+        p.a.make_xfer("WRITE", local, "b", descs(p.bbuf, [(0, 8), (60, 8)]), b"")
+    with pytest.raises(FabricError, match="2 local rows cannot pair with 1"):
+        p.a.make_xfer("WRITE", local, "b", descs(p.bbuf, [(0, 8)]), b"")
+    with pytest.raises(NotFoundError, match="not loaded"):
+        p.a.make_xfer("READ", local, "nobody", remote, b"")
+    with pytest.raises(FabricError, match="op"):
+        p.a.make_xfer("COPY", local, "b", remote, b"")  # type: ignore[arg-type]
+
+
 def test_zero_row_transfer_completes_and_still_notifies() -> None:
     p = make_pair()
     ld = p.a.prep_xfer_dlist(None, descs(p.abuf, [(0, 8)]))

@@ -1,0 +1,208 @@
+"""`kvfsm bench`, the engine's rows: the kvfsm engine moving the same blocks as the raw variants,
+(b) posting one prepared row per block per region, as vLLM's connector does, and (c) coalescing
+rows adjacent on both sides before it posts (issue 5).
+
+P and D run in processes of their own, each an `Engine` on its `EngineLoop` over NIXL with the
+handshake on a real side channel, exactly as a serving rank runs it. P admits every request and
+finishes its prefill up front; D then admits them with at most `plan.inflight` waiting, so the
+figures include everything the engine does per request (registration, matching, the transfer,
+its completion notification). D, the sink in both modes, checks every byte at the end.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing as mp
+import os
+import queue
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from kvfsm._bench_raw import BenchPlan, buffer_of, check_sink, recv_bounded
+from kvfsm.layout import KvGeometry
+
+__all__ = ["bench_geometry", "run_engine_variant"]
+
+_WIRE = 1
+_TOKENS, _DTYPE = 16, 2
+_BOUND_S = 120.0
+
+
+def bench_geometry(plan: BenchPlan) -> KvGeometry:
+    """A one-rank geometry whose regions and blocks are the plan's (latent KV: one head, one
+    region per layer, so a block in a region is `plan.block_bytes`)."""
+    head_dim, rest = divmod(plan.block_bytes, _TOKENS * _DTYPE)
+    if rest:
+        raise ValueError(
+            f"blocks of {plan.block_bytes} bytes: need a multiple of {_TOKENS * _DTYPE}"
+        )
+    return KvGeometry(
+        num_layers=plan.regions, num_kv_heads=1, head_dim=head_dim, dtype_bytes=_DTYPE,
+        block_size=_TOKENS, num_blocks=plan.num_blocks, mla=True,
+    )  # fmt: skip
+
+
+def _rank(side: str, plan: BenchPlan, coalesce: bool, conn: Connection) -> None:
+    """One rank process: serve the driver's steps, then report figures."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    from kvfsm.core import Consumer, CoreConfig, Identity, Mode, Producer
+    from kvfsm.fabric import NixlFabric
+    from kvfsm.runtime import Engine, EngineLoop, KvCache
+    from kvfsm.sidechannel import HandshakeListener, ZmqDirectory, compat_hash, payload_of, validate
+
+    is_p = side == "P"
+    mode: Mode = "push" if plan.op == "WRITE" else "pull"
+    g = bench_geometry(plan)
+    core = (Producer if is_p else Consumer)(Identity(side), mode, CoreConfig())
+    fabric = NixlFabric(core.identity.agent)
+    buf = buffer_of(plan, is_p)
+    hash_ = compat_hash(wire_version=_WIRE, mode=mode, model="bench", dtype="bf16", geometry=g)
+    addresses: dict[str, tuple[str, int]] = {}
+    check = functools.partial(validate, expect_mode=mode, local=g, local_is_p=is_p)
+    directory = ZmqDirectory(
+        addresses, compat_hash=hash_, wire_version=_WIRE, timeout_s=10.0, check=check
+    )
+    engine = Engine(core, fabric, KvCache(g, [buf]), directory, time.monotonic, coalesce=coalesce)
+    listener = HandshakeListener(
+        {engine.agent: payload_of(engine, compat_hash=hash_, wire_version=_WIRE)}.get
+    )
+    outputs = _Outputs()
+    loop = EngineLoop(engine, outputs.queue.put)
+    directory.on_result = loop.wake
+    loop.start()
+    try:
+        conn.send(("ready", engine.agent, listener.port))
+        addresses.update(conn.recv())
+        serve = _producer if is_p else _consumer
+        result = serve(plan, loop, outputs, conn)
+        if not is_p:
+            result["verified"] = result["verified"] and check_sink(plan, buf)
+        conn.send(("ok", result))
+    except Exception as exc:  # report, the driver fails the run saying why
+        conn.send(("error", f"{side}: {exc!r}"))
+    finally:
+        loop.stop()
+        listener.close()
+        directory.close()
+        engine.close()
+        fabric.close()
+
+
+class _Outputs:
+    """The engine's outputs as they arrive: how many requests finished, and their traces."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.finished = self.posted = self.moved = 0
+
+    def get(self, deadline: float) -> Any:
+        from kvfsm.core import Finished
+        from kvfsm.runtime import RequestTrace
+
+        out = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
+        if isinstance(out, Finished):
+            self.finished += 1
+        elif isinstance(out, RequestTrace):
+            # Rows the engine posted, and rows NIXL moved after its own merging.
+            self.posted += out.stats.descriptors
+            self.moved += out.stats.fabric_descriptors
+        return out
+
+    def until_finished(self, n: int, deadline: float) -> dict[str, int]:
+        """Wait for the n-th request to end (its trace follows its `Finished`)."""
+        while self.finished < n or not self.queue.empty():
+            self.get(deadline)
+        return {"descriptors": self.posted, "fabric_descriptors": self.moved}
+
+
+def _producer(plan: BenchPlan, loop: Any, outputs: _Outputs, conn: Connection) -> dict[str, Any]:
+    from kvfsm.core import Admit, PrefillFinished
+
+    futures = []
+    for i, blocks in enumerate(plan.src):
+        ids = _ids(blocks)
+        futures.append(loop.submit(Admit(_rid(i, "a"), ids)))
+        futures.append(loop.submit(PrefillFinished(_rid(i, "a"), ids)))
+    for future in futures:
+        future.result(_BOUND_S)
+    conn.send(("admitted",))
+    cpu0 = time.process_time()
+    conn.recv()  # D received every request
+    cpu = time.process_time() - cpu0
+    return {"cpu_s": cpu} | outputs.until_finished(len(plan.src), time.monotonic() + _BOUND_S)
+
+
+def _consumer(plan: BenchPlan, loop: Any, outputs: _Outputs, conn: Connection) -> dict[str, Any]:
+    from kvfsm.core import Admit, ReportFailed, ReportReceived
+
+    conn.recv()  # go
+    started: dict[str, float] = {}
+    latencies: list[float] = []
+    failed = 0
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    deadline = time.monotonic() + _BOUND_S
+    for i in range(len(plan.dst) + plan.inflight):
+        while started and (len(started) >= plan.inflight or i >= len(plan.dst)):
+            out = outputs.get(deadline)
+            if isinstance(out, ReportReceived | ReportFailed):
+                latencies.append(time.perf_counter() - started.pop(out.request_id))
+                failed += isinstance(out, ReportFailed)
+        if i < len(plan.dst):
+            started[_rid(i, "b")] = time.perf_counter()
+            loop.submit(Admit(_rid(i, "b"), _ids(plan.dst[i]), "P", 1, _rid(i, "a")))
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    figures = {"wall_s": wall, "cpu_s": cpu, "latency_s": latencies, "verified": failed == 0}
+    return figures | outputs.until_finished(len(plan.dst), deadline)
+
+
+def _rid(i: int, side: str) -> str:
+    return f"bench{i}-000000{side}{side}"
+
+
+def _ids(blocks: list[int]) -> Any:
+    import numpy as np
+
+    return np.asarray(blocks, dtype=np.int32)
+
+
+def run_engine_variant(plan: BenchPlan, *, coalesce: bool) -> dict[str, Any]:
+    """The engine's run (b, or c with `coalesce`): wall time, D's per-request latency (admit to
+    received), the posting side's CPU, descriptor counts and whether every byte arrived."""
+    ctx = mp.get_context("spawn")
+    pipes = {side: ctx.Pipe() for side in ("P", "D")}
+    procs = [
+        ctx.Process(target=_rank, args=(side, plan, coalesce, child), daemon=True)
+        for side, (_, child) in pipes.items()
+    ]
+    for p in procs:
+        p.start()
+    p_conn, d_conn = pipes["P"][0], pipes["D"][0]
+    try:
+        ready = {side: _expect(conn, side, "ready") for side, (conn, _) in pipes.items()}
+        peers = {msg[1]: ("127.0.0.1", msg[2]) for msg in ready.values()}
+        for conn, _ in pipes.values():
+            conn.send(peers)
+        _expect(p_conn, "P", "admitted")
+        d_conn.send("go")
+        d = _expect(d_conn, "D", "ok")[1]
+        p_conn.send("stop")
+        p = _expect(p_conn, "P", "ok")[1]
+    finally:
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+    poster = p if plan.op == "WRITE" else d
+    return {
+        "wall_s": d["wall_s"], "latency_s": d["latency_s"], "cpu_s": poster["cpu_s"],
+        "verified": d["verified"], "descriptors": poster["descriptors"],
+        "fabric_descriptors": poster["fabric_descriptors"],
+    }  # fmt: skip
+
+
+def _expect(conn: Connection, who: str, what: str) -> Any:
+    msg = recv_bounded(conn, who)
+    if msg[0] != what:
+        raise RuntimeError(f"bench engine {who}: {msg[1] if msg[0] == 'error' else msg!r}")
+    return msg
