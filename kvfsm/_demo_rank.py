@@ -13,15 +13,30 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
-from kvfsm.core import Admit, Consumer, CoreConfig, Identity, Mode, PrefillFinished, Producer
+from kvfsm.core import (
+    Admit,
+    Consumer,
+    CoreConfig,
+    Event,
+    Identity,
+    Mode,
+    PrefillFinished,
+    Producer,
+)
+from kvfsm.fabric import UCX_ERROR_HANDLING_DEFAULT, UcxErrorHandling
 from kvfsm.layout import KvGeometry
 
-__all__ = ["RankSpec", "rank_main"]
+if TYPE_CHECKING:
+    from kvfsm.runtime import CallerOutput, Engine
+
+__all__ = ["LoopFactory", "RankLoop", "RankSpec", "rank_main"]
 
 WIRE_VERSION = 1
 
@@ -35,20 +50,50 @@ class RankSpec(msgspec.Struct, frozen=True):
     peer_tp: int
     unit_tokens: int  # the smaller of the two sides' block sizes
     compat_hash: str
+    ucx_error_handling: UcxErrorHandling = UCX_ERROR_HANDLING_DEFAULT
+    config: CoreConfig = msgspec.field(default_factory=CoreConfig)
 
 
-def rank_main(spec: RankSpec, conn: Connection) -> None:
-    """The body of a rank process (the `multiprocessing` target)."""
+class RankLoop(Protocol):
+    """What a rank needs of the thread that drives its engine (`EngineLoop`, or a benchmark's
+    comparison loop)."""
+
+    errors: Any
+
+    def start(self) -> Any:
+        """Start driving the engine."""
+        ...
+
+    def submit(self, event: Event) -> Future[None]:
+        """Hand the engine an event."""
+        ...
+
+    def wake(self) -> None:
+        """Something happened off the loop (a handshake finished)."""
+        ...
+
+    def stop(self, drain_s: float = 0.0, timeout: float | None = 30.0) -> None:
+        """Stop driving and close the engine."""
+        ...
+
+
+LoopFactory = Callable[["Engine", Callable[["CallerOutput"], None]], RankLoop]
+"""Builds the loop of a rank from its engine and the callback for the engine's outputs."""
+
+
+def rank_main(spec: RankSpec, conn: Connection, make_loop: LoopFactory | None = None) -> None:
+    """The body of a rank process (the `multiprocessing` target); `make_loop` replaces the
+    `EngineLoop` (a benchmark comparing loops)."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO to stdout; --json owns it
     send = _Sender(conn)
     try:
-        _serve(spec, conn, send)
+        _serve(spec, conn, send, make_loop)
     except BaseException as exc:  # report, then die: the driver fails the run saying why
         send(("error", f"{spec.side}#{spec.geometry.tp_rank}: {exc!r}"))
         raise
 
 
-def _serve(spec: RankSpec, conn: Connection, send: _Sender) -> None:
+def _serve(spec: RankSpec, conn: Connection, send: _Sender, make_loop: LoopFactory | None) -> None:
     from kvfsm.fabric import NixlFabric
     from kvfsm.runtime import Engine, EngineLoop, KvCache
     from kvfsm.sidechannel import HandshakeListener, ZmqDirectory, payload_of, validate
@@ -57,9 +102,9 @@ def _serve(spec: RankSpec, conn: Connection, send: _Sender) -> None:
     is_p = spec.side == "P"
     g = spec.geometry
     core = (Producer if is_p else Consumer)(
-        Identity(spec.side, g.tp_rank, g.tp_size), spec.mode, CoreConfig()
+        Identity(spec.side, g.tp_rank, g.tp_size), spec.mode, spec.config
     )
-    fabric = NixlFabric(core.identity.agent)
+    fabric = NixlFabric(core.identity.agent, ucx_error_handling=spec.ucx_error_handling)
     kv = KvCache.allocate(g)
     addresses: dict[str, tuple[str, int]] = {}
     check = functools.partial(validate, expect_mode=spec.mode, local=g, local_is_p=is_p)
@@ -71,7 +116,7 @@ def _serve(spec: RankSpec, conn: Connection, send: _Sender) -> None:
     payload = payload_of(engine, compat_hash=spec.compat_hash, wire_version=WIRE_VERSION)
     listener = HandshakeListener({engine.agent: payload}.get)
     reporter = _Reporter(spec, kv, send)
-    loop = EngineLoop(engine, reporter.put)
+    loop = (make_loop or EngineLoop)(engine, reporter.put)
     directory.on_result = loop.wake
     loop.start()
     send(("ready", listener.port))

@@ -1,7 +1,13 @@
 """Fabrics: the `Fabric` protocol and its implementations."""
 
 from kvfsm.fabric._memory import BufferSpan, buffer_span
-from kvfsm.fabric._nixl import NixlFabric, nixl_api
+from kvfsm.fabric._nixl import (
+    UCX_ERROR_HANDLING_DEFAULT,
+    UCX_ERROR_HANDLING_MODES,
+    NixlFabric,
+    UcxErrorHandling,
+    nixl_api,
+)
 from kvfsm.fabric._protocol import (
     DescArray,
     DlistHandle,
@@ -20,6 +26,8 @@ from kvfsm.fabric._sim import SimFabric, SimNetwork
 from kvfsm.fabric._sim_faults import SimFaults, SimStats
 
 __all__ = [
+    "UCX_ERROR_HANDLING_DEFAULT",
+    "UCX_ERROR_HANDLING_MODES",
     "BufferSpan",
     "DescArray",
     "DlistHandle",
@@ -34,6 +42,7 @@ __all__ = [
     "SimFaults",
     "SimNetwork",
     "SimStats",
+    "UcxErrorHandling",
     "XferHandle",
     "XferOp",
     "XferState",

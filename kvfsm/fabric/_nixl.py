@@ -12,7 +12,7 @@ import importlib
 import itertools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -32,9 +32,21 @@ from kvfsm.fabric._protocol import (
     XferTelemetry,
 )
 
-__all__ = ["NixlFabric", "nixl_api"]
+__all__ = [
+    "UCX_ERROR_HANDLING_DEFAULT",
+    "UCX_ERROR_HANDLING_MODES",
+    "NixlFabric",
+    "UcxErrorHandling",
+    "nixl_api",
+]
 
 _LOCAL = "NIXL_INIT_AGENT"  # NIXL's name for "my own memory" in prep_xfer_dlist
+UcxErrorHandling = Literal["peer", "none"]
+"""UCX's `ucx_error_handling_mode`: "peer" detects a failed peer, "none" does not (and so can
+carry notifications over shared memory)."""
+UCX_ERROR_HANDLING_MODES: tuple[UcxErrorHandling, ...] = ("peer", "none")
+UCX_ERROR_HANDLING_DEFAULT: UcxErrorHandling = "peer"
+"""kvfsm's choice, from the figures in docs/runtime.md."""
 T = TypeVar("T")
 
 
@@ -64,26 +76,38 @@ class NixlFabric:
         mem_type: str = "DRAM",
         progress_thread: bool = False,
         telemetry: bool = True,
+        ucx_error_handling: UcxErrorHandling = UCX_ERROR_HANDLING_DEFAULT,
         agent: Any = None,
     ) -> None:
         """`mem_type` is "DRAM" (host memory) or "VRAM" (CUDA tensors); `telemetry` has NIXL time
-        and count each transfer (`xfer_telemetry`); `agent` replaces the NIXL agent (tests of
-        what kvfsm passes to NIXL where no GPU is present)."""
+        and count each transfer (`xfer_telemetry`); `ucx_error_handling` is UCX's peer-failure
+        detection: "peer" (a dead peer's transfers and notifications fail with an error) or
+        "none" (notifications over shared memory, several times faster; a dead peer is then
+        noticed only by kvfsm's own deadlines: docs/runtime.md); `agent` replaces the NIXL
+        agent (tests of what kvfsm passes to NIXL where no GPU is present)."""
         if mem_type not in ("DRAM", "VRAM"):
             raise ValueError(f"mem_type must be DRAM or VRAM, not {mem_type!r}")
+        if ucx_error_handling not in UCX_ERROR_HANDLING_MODES:
+            raise ValueError(
+                f"ucx_error_handling must be one of {UCX_ERROR_HANDLING_MODES}, "
+                f"not {ucx_error_handling!r}"
+            )
+        self._name = name
         if agent is None:
             api = nixl_api()
             self._errors = _error_map(_bindings(api))
             config = api.nixl_agent_config(
-                enable_prog_thread=progress_thread, capture_telemetry=telemetry, backends=["UCX"]
+                enable_prog_thread=progress_thread, capture_telemetry=telemetry, backends=[]
             )
             agent = api.nixl_agent(name, config)
+            # The UCX backend is created here, not by the config, to pass it init parameters.
+            with self._translated():
+                agent.create_backend("UCX", {"ucx_error_handling_mode": ucx_error_handling})
         else:
             self._errors = {}
         self._agent = agent
         self._mem_type = mem_type
         self._telemetry = telemetry
-        self._name = name
         self._ids = itertools.count(1)
         self._memory: dict[int, Any] = {}
         self._dlists: dict[int, Any] = {}
@@ -94,6 +118,12 @@ class NixlFabric:
     def agent_name(self) -> str:
         """This agent's name."""
         return self._name
+
+    @property
+    def ucx_error_handling(self) -> str:
+        """The UCX backend's error handling mode, as NIXL reports it ("" if not told)."""
+        params: dict[str, str] = self._agent.get_backend_params("UCX")
+        return params.get("ucx_error_handling_mode", "")
 
     def register_memory(self, buffer: npt.NDArray[np.uint8]) -> MemoryHandle:
         """Register a contiguous 1-D uint8 numpy buffer (DRAM), or a contiguous torch tensor:

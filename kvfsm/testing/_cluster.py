@@ -31,7 +31,14 @@ from kvfsm.core import (
     Side,
     agent_name,
 )
-from kvfsm.fabric import Fabric, NixlFabric, SimFaults, SimNetwork
+from kvfsm.fabric import (
+    UCX_ERROR_HANDLING_DEFAULT,
+    Fabric,
+    NixlFabric,
+    SimFaults,
+    SimNetwork,
+    UcxErrorHandling,
+)
 from kvfsm.layout import KvGeometry
 from kvfsm.runtime import CallerOutput, Engine, KvCache, LocalDirectory
 from kvfsm.testing._invariants import Conformance, Ledger
@@ -92,6 +99,7 @@ class SimCluster:
         handshake_latency: float = 1e-3,
         trace: bool = True,
         fabric: Literal["sim", "nixl"] = "sim",
+        ucx_error_handling: UcxErrorHandling = UCX_ERROR_HANDLING_DEFAULT,
     ) -> None:
         """P's ranks use `geometry` (with `num_blocks`), D's the same with `d_block_size` tokens
         per block (default: P's; it must be a multiple of P's).
@@ -100,11 +108,12 @@ class SimCluster:
         the monotonic clock: the operations both fabrics support (admit, prefill, abort, time)
         run unchanged, the safety ledger checks them alike, and `step` only polls (time passes
         on its own); faults, kills and revivals exist on the simulated fabric only. `close()`
-        releases the agents."""
+        releases the agents; `ucx_error_handling` is their UCX error handling mode."""
         self.mode: Mode = mode
         self.config = config
         self.network = SimNetwork(seed, faults)
         self.real = fabric == "nixl"
+        self.ucx_error_handling: UcxErrorHandling = ucx_error_handling
         self._t0 = time.monotonic()
         self.directory = LocalDirectory(lambda: self.now, 0.0 if self.real else handshake_latency)
         base = msgspec.structs.replace(geometry, num_blocks=num_blocks)
@@ -155,7 +164,7 @@ class SimCluster:
             core.set_recorder(self.conformance.record)
         fabric: Fabric
         if self.real:
-            fabric = NixlFabric(agent)
+            fabric = NixlFabric(agent, ucx_error_handling=self.ucx_error_handling)
         elif agent in self.engines:
             fabric = self.network.revive(agent)
         else:

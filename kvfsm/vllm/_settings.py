@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 
 from kvfsm.core import CoreConfig, Mode
+from kvfsm.fabric import UCX_ERROR_HANDLING_DEFAULT, UcxErrorHandling
 
 __all__ = ["KvfsmSettings", "SettingsError"]
 
@@ -44,6 +45,12 @@ class KvfsmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     (notification, post, completion) waits for the GIL; 0 leaves Python's setting alone."""
     drain_s: float = 5.0
     """At shutdown, let live transfers end this long before closing the NIXL agent."""
+    ucx_error_handling: UcxErrorHandling = UCX_ERROR_HANDLING_DEFAULT
+    """NIXL's UCX `ucx_error_handling_mode`: "peer" has UCX detect a failed peer (its transfers
+    and notifications fail at once), "none" carries notifications over shared memory on one
+    host (faster, no stall of a WRITE behind a notification) but leaves a crashed peer to the
+    core's deadlines (`stall_s`, `watchdog_s`, `lease_s`), and on RDMA a peer's failure may be
+    fatal to this process. Figures and the decision: docs/runtime.md."""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> KvfsmSettings:

@@ -77,7 +77,9 @@ class WorkerSide:
         s, me = self.settings, self.identity
         mem_type = buffer_span(buffers[0]).mem_type
         core = (Producer if self.is_producer else Consumer)(me, s.mode, s.core_config())
-        fabric = self._fabric = NixlFabric(me.agent, mem_type=mem_type)
+        fabric = self._fabric = NixlFabric(
+            me.agent, mem_type=mem_type, ucx_error_handling=s.ucx_error_handling
+        )
         try:
             kv = KvCache(geometry, buffers)
             chash = compat_hash(
