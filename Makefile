@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-installed
 
-.PHONY: demo demo-sim test bench-vllm lint typecheck diagrams bench soak clean
+.PHONY: demo demo-sim test bench-vllm plots lint typecheck diagrams bench soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -55,6 +55,11 @@ soak: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/control_plane.py
+
+# docs/performance.png: throughput by descriptor size, control-plane CPU by requests in flight.
+plots: $(STAMP)
+	$(BIN)/pip install -q -e '.[bench]'
+	$(BIN)/python benchmarks/plot_performance.py --json-out docs/performance.json
 
 # Hand-off latency in real vLLM P/D pairs: vLLM's NixlConnector and NixlPushConnector against
 # kvfsm pull and push, one run (about 3 minutes here).

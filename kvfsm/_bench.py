@@ -16,6 +16,7 @@ from kvfsm._bench_control import bench as control_bench
 from kvfsm._bench_engine import run_engine_variant
 from kvfsm._bench_raw import BenchPlan, gbps, memcpy_gbps, plan_requests, run_variant
 from kvfsm.core import Mode
+from kvfsm.fabric import UcxErrorHandling
 
 __all__ = ["BenchOptions", "run_bench"]
 
@@ -35,7 +36,8 @@ class BenchOptions:
     def __init__(self, *, mode: str, allocation: str, block_kib: int, num_blocks: int,
                  regions: int, requests: int, blocks_per_request: int, inflight: int,
                  seed: int, control_in_flight: tuple[int, ...] = (),
-                 control_total: int = 0) -> None:  # fmt: skip
+                 control_total: int = 0, ucx_error_handling: UcxErrorHandling = "peer",
+                 ) -> None:  # fmt: skip
         if min(block_kib, num_blocks, regions, requests, blocks_per_request, inflight) < 1:
             raise ValueError("every size and count must be at least 1")
         if control_total < 0 or any(n < 1 for n in control_in_flight):
@@ -50,7 +52,7 @@ class BenchOptions:
         self.plan = BenchPlan(
             block_bytes=block_kib * 1024, num_blocks=num_blocks, regions=regions,
             op="WRITE" if mode == "push" else "READ", src=src, dst=dst, inflight=inflight,
-            seed=seed,
+            seed=seed, ucx_error_handling=ucx_error_handling,
         )  # fmt: skip
 
 
@@ -63,6 +65,7 @@ def run_bench(options: BenchOptions, advance: Callable[[int], None]) -> dict[str
         "block_bytes": plan.block_bytes, "regions": plan.regions, "requests": len(plan.src),
         "blocks_per_request": len(plan.src[0]), "bytes_per_request": plan.bytes_per_request,
         "descriptors_per_request": len(plan.src[0]) * plan.regions, "inflight": plan.inflight,
+        "ucx_error_handling": plan.ucx_error_handling,
     }  # fmt: skip
     verified = True
     for variant, run in _VARIANTS.items():

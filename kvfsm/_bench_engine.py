@@ -55,7 +55,7 @@ def _rank(side: str, plan: BenchPlan, coalesce: bool, conn: Connection) -> None:
     mode: Mode = "push" if plan.op == "WRITE" else "pull"
     g = bench_geometry(plan)
     core = (Producer if is_p else Consumer)(Identity(side), mode, CoreConfig())
-    fabric = NixlFabric(core.identity.agent)
+    fabric = NixlFabric(core.identity.agent, ucx_error_handling=plan.error_handling("engine"))
     buf = buffer_of(plan, is_p)
     hash_ = compat_hash(wire_version=_WIRE, mode=mode, model="bench", dtype="bf16", geometry=g)
     addresses: dict[str, tuple[str, int]] = {}

@@ -22,6 +22,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from kvfsm.fabric import UcxErrorHandling
+
 __all__ = [
     "BenchPlan",
     "Variant",
@@ -57,6 +59,12 @@ class BenchPlan(msgspec.Struct, frozen=True, kw_only=True):
     dst: list[list[int]]
     inflight: int = 4
     seed: int = 0
+    ucx_error_handling: UcxErrorHandling = "peer"
+    """kvfsm's setting for its own variants; the vLLM-style anchor keeps NIXL's default."""
+
+    def error_handling(self, variant: str) -> UcxErrorHandling:
+        """The UCX error handling mode a variant's agents run with."""
+        return "peer" if variant == "raw_vllm_style" else self.ucx_error_handling
 
     @property
     def region_bytes(self) -> int:
@@ -149,7 +157,10 @@ def _target(plan: BenchPlan, variant: Variant, conn: Connection) -> None:
     from kvfsm.fabric import NixlFabric
 
     thread, telemetry, _ = _SETTINGS[variant]
-    fabric = NixlFabric("bench-target", progress_thread=thread, telemetry=telemetry)
+    fabric = NixlFabric(
+        "bench-target", progress_thread=thread, telemetry=telemetry,
+        ucx_error_handling=plan.error_handling(variant),
+    )  # fmt: skip
     source = plan.op == "READ"  # the initiator READs from us, or WRITEs into us
     buf = buffer_of(plan, source)
     handle = fabric.register_memory(buf)
@@ -169,7 +180,10 @@ def _initiator(plan: BenchPlan, variant: Variant, remote: tuple[bytes, int]) -> 
     from kvfsm.fabric import NixlFabric
 
     thread, telemetry, merge = _SETTINGS[variant]
-    fabric = NixlFabric("bench-initiator", progress_thread=thread, telemetry=telemetry)
+    fabric = NixlFabric(
+        "bench-initiator", progress_thread=thread, telemetry=telemetry,
+        ucx_error_handling=plan.error_handling(variant),
+    )  # fmt: skip
     source = plan.op == "WRITE"
     buf = buffer_of(plan, source)
     mem = fabric.register_memory(buf)

@@ -69,6 +69,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--inflight", type=int, default=4, help="transfers in flight at most")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument(
+        "--ucx-error-handling", choices=["peer", "none"], default="peer",
+        help="UCX error handling for kvfsm's variants (a1 keeps NIXL's default, peer)",
+    )  # fmt: skip
+    bench.add_argument(
         "--control-in-flight", type=int, nargs="+", default=[10, 100, 1000, 10000],
         help="requests in flight for the control-plane CPU figures",
     )  # fmt: skip
@@ -138,6 +142,7 @@ def _bench(args: argparse.Namespace) -> int:
             num_blocks=args.blocks, regions=args.regions, requests=args.requests,
             blocks_per_request=args.blocks_per_request, inflight=args.inflight, seed=args.seed,
             control_in_flight=tuple(args.control_in_flight), control_total=args.control_total,
+            ucx_error_handling=args.ucx_error_handling,
         )  # fmt: skip
     except ValueError as exc:
         print(f"kvfsm bench: {exc}", file=sys.stderr)

@@ -13,6 +13,8 @@ also polls the fabric: again at once after a poll that found something, then bac
 (doubling from `poll_min_s` to `poll_max_s`) while nothing happens. With no request live it
 still drains notifications every `idle_poll_s`: a peer it has never met may write at any time
 (a D's registration reaches P's agent before P knows D, e.g. for a request P already let go).
+While its own transfers are in flight it polls every `poll_min_s` without backing off: UCX
+moves a transfer's bytes (rendezvous, shared memory) only inside the poster's progress calls.
 """
 
 from __future__ import annotations
@@ -133,7 +135,10 @@ class EngineLoop:
                 active = self._poll()
                 if stopping and (not self.engine.busy or self.engine.clock() >= (drain_until or 0)):
                     return
-                delay = self._poll_min if active or inbox else min(2 * delay, self._poll_max)
+                # No backing off while this engine's own transfers are in flight: each ends
+                # within microseconds to milliseconds, and only its polls progress it.
+                busy = active or inbox or self.engine.inflight
+                delay = self._poll_min if busy else min(2 * delay, self._poll_max)
                 self._sleep(self._timeout(delay))
         finally:
             self._close()

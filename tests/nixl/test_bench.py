@@ -17,15 +17,21 @@ _SMALL += ["--blocks-per-request", "4", "--control-in-flight", "5", "50", "--con
 
 
 @pytest.mark.parametrize(
-    ("mode", "allocation"),
-    [("push", "contiguous"), ("pull", "contiguous"), ("push", "fragmented"), ("pull", "realistic")],
+    ("mode", "allocation", "errors"),
+    [
+        ("push", "contiguous", "peer"),
+        ("pull", "contiguous", "peer"),
+        ("push", "fragmented", "peer"),
+        ("pull", "realistic", "none"),
+    ],
 )
 def test_bench_reports_every_variant_with_bytes_verified(
-    mode: str, allocation: str, capsys: pytest.CaptureFixture[str]
+    mode: str, allocation: str, errors: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["bench", "--mode", mode, "--allocation", allocation, *_SMALL, "--json"]) == 0
+    args = ["--mode", mode, "--allocation", allocation, "--ucx-error-handling", errors]
+    assert main(["bench", *args, *_SMALL, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["verified"] is True
+    assert report["verified"] is True and report["ucx_error_handling"] == errors
     assert report["op"] == ("WRITE" if mode == "push" else "READ")
     variants = ("raw_vllm_style", "raw", "raw_unmerged", "engine", "coalesced", "memcpy")
     for key in (*(f"{v}_gbps" for v in variants), "ratio_engine_raw", "ratio_coalesced_raw"):
