@@ -38,6 +38,7 @@ __all__ = ["Consumer", "ProducerLink"]
 _NO_BLOCKS: BlockIds = np.zeros(0, dtype=np.int32)
 _HEARTBEAT_BATCH = 4096  # ids per heartbeat notification, far below the message size bound
 _HEARTBEAT_STATES = frozenset({"registered", "writing", "reading"})
+_MAX_PEER_ENGINES = 1024  # P engines whose rank agents are remembered (bounded memory)
 
 
 class ProducerLink(msgspec.Struct, gc=False):
@@ -63,6 +64,7 @@ class Consumer(Side):
     def __init__(self, identity: Identity, mode: Mode, config: CoreConfig | None = None) -> None:
         super().__init__(identity, mode, config)
         self._next_heartbeat = 0.0
+        self._peer_agents: dict[tuple[str, int], tuple[str, ...]] = {}  # (P engine, TP) -> agents
         self._handlers[Admit] = self._on_admit
         self._handlers[Tick] = self._on_d_tick
         self._messages.update(
@@ -78,20 +80,29 @@ class Consumer(Side):
     # --- caller events --------------------------------------------------------------------------
 
     def _on_admit(self, event: Admit) -> None:
-        ranks = paired_ranks(self.identity.rank, self.identity.tp_size, event.peer_tp)
+        peers = self._peer_agents.get((event.peer_engine, event.peer_tp))
+        if peers is None:
+            peers = self._peers_of(event.peer_engine, event.peer_tp)
         if len(event.blocks) and not event.peer_engine:
             raise ValueError(f"request {event.request_id!r} has blocks to receive but no P engine")
         req = self._new_request(event.request_id, event.blocks)
         req.peer_request_id = event.peer_request_id
-        req.peers = (
-            tuple(agent_name(event.peer_engine, r) for r in ranks) if event.peer_engine else ()
-        )
+        req.peers = peers
         if event.peer_contact:  # every rank of P answers handshakes at P's one side channel
             for agent in req.peers:
                 self._peer_of(agent, event.peer_contact)
         req.links = {a: ProducerLink(a, event.peer_request_id) for a in req.peers}
         req.tally.expected = len(req.peers)
         self._req.fire(req, "admitted", self._now)
+
+    def _peers_of(self, engine: str, peer_tp: int) -> tuple[str, ...]:
+        """The agents of P's ranks this rank pairs with, computed once per P engine and TP size
+        (requests then share the tuple instead of building their own)."""
+        ranks = paired_ranks(self.identity.rank, self.identity.tp_size, peer_tp)
+        peers = tuple(agent_name(engine, r) for r in ranks) if engine else ()
+        if len(self._peer_agents) < _MAX_PEER_ENGINES:
+            self._peer_agents[(engine, peer_tp)] = peers
+        return peers
 
     def next_wakeup(self) -> float | None:
         """When the next deadline or heartbeat falls (O(1): with requests live, the next

@@ -1,4 +1,5 @@
-"""Dispatching events through a lifecycle's derived table, run to completion, and deadlines.
+"""Dispatching events through a lifecycle's derived table, run to completion, and tombstones
+(`Deadlines` lives in `_deadlines` and is re-exported here).
 
 A `Dispatcher` binds a lifecycle's guards and commands to methods of their owner once, so a step
 costs a dict lookup, the guard calls and the command calls. Events raised while a step runs (a
@@ -8,23 +9,32 @@ step never sees its instance change under it.
 
 from __future__ import annotations
 
-import heapq
-import itertools
-from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
+from kvfsm.core._deadlines import Deadlines
 from kvfsm.lifecycle import Lifecycle, protocol_error
 
-__all__ = ["Deadlines", "Dispatcher", "Instance", "RunQueue", "Step", "Tombstones"]
+__all__ = ["Deadlines", "Dispatcher", "History", "Instance", "RunQueue", "Step", "Tombstones"]
+
+
+History = tuple[tuple[str, str, float], ...]
+"""A history: (event, state entered, time) per transition taken."""
 
 
 class Instance(Protocol):
-    """Anything a lifecycle runs on: an id, a state and (optionally kept) history."""
+    """Anything a lifecycle runs on: an id, a state and (optionally kept) history.
+
+    A list history is appended to; a tuple one is replaced by a longer tuple. The core keeps its
+    requests' histories as tuples: the cycle collector stops tracking a tuple of strings and floats
+    within a pass or two, a list never, and with 10,000 requests in flight their list histories
+    were most of what each full collection traversed.
+    """
 
     id: str
     state: str
-    history: list[tuple[str, str, float]] | None
+    history: list[tuple[str, str, float]] | History | None
 
 
 class Step(NamedTuple):
@@ -42,9 +52,7 @@ class Step(NamedTuple):
 Recorder = Callable[[Step], None]
 _Guard = Callable[[Any], bool]
 _Action = Callable[[Any], None]
-_Compiled = tuple[
-    tuple[tuple[tuple[str, _Guard, bool], ...], str, tuple[_Action, ...], tuple[str, ...]], ...
-]
+_Rule = tuple[tuple[tuple[str, _Guard, bool], ...], str, tuple[_Action, ...], tuple[str, ...], bool]
 
 
 class Dispatcher:
@@ -55,8 +63,8 @@ class Dispatcher:
         self.side = side
         self.recorder: Recorder | None = None
         self.on_terminal: Callable[[Any], None] | None = None
-        self._terminal = lifecycle.terminal
-        self._table: dict[tuple[str, str], _Compiled] = {}
+        self._table: dict[tuple[str, str], tuple[_Rule, ...]] = {}
+        self._scratch: dict[str, bool] = {}
         for event, by_state in lifecycle.table.items():
             for state, rules in by_state.items():
                 self._table[(state, event)] = tuple(
@@ -67,6 +75,7 @@ class Dispatcher:
                         r.dest,
                         tuple(_bind(owner, f"{prefix}cmd_{c}") for c in r.commands),
                         r.commands,
+                        r.dest in lifecycle.terminal,
                     )
                     for r in rules
                 )
@@ -91,27 +100,36 @@ class Dispatcher:
                 source,
                 event,
             )
-        seen: dict[str, bool] = {}
-        rule = rules[-1]  # the loader guarantees the last rule is unguarded
-        for candidate in rules:
-            for name, guard, want in candidate[0]:
-                value = seen[name] = guard(inst)
-                if value != want:
-                    break
-            else:
-                rule = candidate
-                break
-        _, dest, actions, names = rule
+        # Guard values are kept for a recorder only; otherwise a scratch dict takes them.
+        seen: dict[str, bool] = {} if self.recorder is not None else self._scratch
+        # The loader guarantees the last rule is unguarded: a lone rule needs no evaluation.
+        rule = rules[0] if len(rules) == 1 else _choose(rules, inst, seen)
+        _, dest, actions, names, terminal = rule
         inst.state = dest
-        if inst.history is not None:
-            inst.history.append((event, dest, now))
+        history = inst.history
+        if history.__class__ is tuple:  # see `Instance.history`
+            inst.history = history + ((event, dest, now),)  # noqa: RUF005 (faster than *)
+        elif history is not None:
+            history.append((event, dest, now))
         if self.recorder is not None:
             self.recorder(Step(self.lifecycle.name, inst.id, source, event, seen, dest, names))
         for action in actions:
             action(inst)
-        if dest in self._terminal and self.on_terminal is not None:
+        if terminal and self.on_terminal is not None:
             self.on_terminal(inst)
         return dest
+
+
+def _choose(rules: tuple[_Rule, ...], inst: Any, seen: dict[str, bool]) -> _Rule:
+    """The first rule whose guards hold on `inst`, noting each guard's value in `seen`."""
+    for candidate in rules:
+        for name, guard, want in candidate[0]:
+            value = seen[name] = guard(inst)
+            if value != want:
+                break
+        else:
+            return candidate
+    return rules[-1]
 
 
 def _bind(owner: object, attr: str) -> Callable[[Any], Any]:
@@ -121,61 +139,18 @@ def _bind(owner: object, attr: str) -> Callable[[Any], Any]:
     return fn  # type: ignore[no-any-return]
 
 
-class Deadlines:
-    """One deadline per instance, in a heap with lazy invalidation.
+class Tombstones:
+    """A bounded memory of finished ids and how they ended, to tell late messages from unknown ones.
 
-    Re-arming (a heartbeat extending a lease) pushes a new entry and bumps the instance's generation;
-    stale entries are skipped when they surface and compacted away when they outnumber live ones, so
-    a sweep touches only due entries and reordered deadlines are all found.
+    A dict with a FIFO of its keys (cheaper than an `OrderedDict`: one add is a dict store and a
+    deque append). Re-adding a key makes it the newest: its older place in the FIFO is counted
+    in `_moved` and skipped when it comes up (re-adds are rare: a cancel after a registration).
     """
 
-    def __init__(self) -> None:
-        self._heap: list[tuple[float, int, str, int, str]] = []
-        self._live: dict[str, tuple[int, float, str]] = {}
-        self._seq = itertools.count()
-
-    def __len__(self) -> int:
-        return len(self._live)
-
-    def arm(self, key: str, at: float, event: str) -> None:
-        """Set `key`'s deadline to `at`, firing `event`; replaces any earlier one."""
-        gen = next(self._seq)
-        self._live[key] = (gen, at, event)
-        heapq.heappush(self._heap, (at, gen, key, gen, event))
-        if len(self._heap) > 2 * len(self._live) + 64:
-            self._heap = [(a, g, k, g, e) for k, (g, a, e) in self._live.items()]
-            heapq.heapify(self._heap)
-
-    def disarm(self, key: str) -> None:
-        """Forget `key`'s deadline."""
-        self._live.pop(key, None)
-
-    def due(self, now: float) -> Iterator[tuple[str, str]]:
-        """Pop every live deadline at or before `now`: (key, event)."""
-        heap = self._heap
-        while heap and heap[0][0] <= now:
-            _, _, key, gen, event = heapq.heappop(heap)
-            live = self._live.get(key)
-            if live is not None and live[0] == gen:
-                del self._live[key]
-                yield key, event
-
-    def next_at(self) -> float | None:
-        """When the earliest live deadline falls, if any (for an event loop's timeout)."""
-        while self._heap:
-            at, _, key, gen, _ = self._heap[0]
-            live = self._live.get(key)
-            if live is not None and live[0] == gen:
-                return at
-            heapq.heappop(self._heap)
-        return None
-
-
-class Tombstones:
-    """A bounded memory of finished ids and how they ended, to tell late messages from unknown ones."""
-
     def __init__(self, capacity: int) -> None:
-        self._ended: OrderedDict[str, str] = OrderedDict()
+        self._ended: dict[str, str] = {}
+        self._order: deque[str] = deque()  # keys, oldest first
+        self._moved: dict[str, int] = {}  # key -> older places of it still in `_order`
         self._capacity = capacity
 
     def __contains__(self, key: object) -> bool:
@@ -186,10 +161,22 @@ class Tombstones:
 
     def add(self, key: str, state: str) -> None:
         """Remember that `key` ended in `state`; forget the oldest beyond capacity."""
-        self._ended[key] = state
-        self._ended.move_to_end(key)
-        if len(self._ended) > self._capacity:
-            self._ended.popitem(last=False)
+        ended = self._ended
+        size = len(ended)
+        ended.setdefault(key, state)  # one lookup for a new key, the usual case
+        if len(ended) == size:  # re-added
+            ended[key] = state
+            self._moved[key] = self._moved.get(key, 0) + 1
+        self._order.append(key)
+        while len(ended) > self._capacity:
+            old = self._order.popleft()
+            moved = self._moved.get(old)
+            if moved is None:
+                del ended[old]
+            elif moved > 1:
+                self._moved[old] = moved - 1
+            else:
+                del self._moved[old]
 
     def get(self, key: str) -> str | None:
         """How `key` ended, if remembered."""
@@ -200,15 +187,17 @@ class RunQueue:
     """Events raised during a step, run after it (run-to-completion)."""
 
     def __init__(self) -> None:
-        self._queue: deque[tuple[Dispatcher, Any, str]] = deque()
+        self.pending: deque[tuple[Dispatcher, Any, str]] = deque()
+        """The queued events (empty after most steps: callers test it before `drain`)."""
 
     def post(self, dispatcher: Dispatcher, inst: Any, event: str) -> None:
         """Queue `event` for `inst`."""
-        self._queue.append((dispatcher, inst, event))
+        self.pending.append((dispatcher, inst, event))
 
     def drain(self, now: float, alive: Callable[[Any], bool]) -> None:
         """Run queued events in order, skipping instances that ended meanwhile."""
-        while self._queue:
-            dispatcher, inst, event = self._queue.popleft()
+        queue = self.pending
+        while queue:
+            dispatcher, inst, event = queue.popleft()
             if alive(inst):
                 dispatcher.fire(inst, event, now)

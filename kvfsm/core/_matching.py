@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 import msgspec
 
@@ -23,15 +23,20 @@ class PendingRegistration(msgspec.Struct, gc=False):
 
 class PendingRegistrations:
     """Unmatched registrations, by the P id D named, by D's own id and, when D named no P id, by
-    base id; each bounded in number and in time."""
+    base id; each bounded in number and in time.
+
+    Every registration lives `ttl` from its arrival, so arrival order is expiry order: entries are
+    kept in one insertion-ordered map, a sweep pops its head while due (it touches only expired
+    entries) and a match removes its entry at once (nothing stale is left for a sweep to skip).
+    """
 
     def __init__(self, capacity: int, ttl: float) -> None:
         self._capacity = capacity
         self._ttl = ttl
-        self._entries: dict[Key, PendingRegistration] = {}
+        self._entries: OrderedDict[Key, PendingRegistration] = OrderedDict()  # arrival order
         self._by_id: dict[str, dict[Key, None]] = {}
         self._by_base: dict[str, dict[Key, None]] = {}
-        self._expiry: deque[tuple[float, Key]] = deque()  # constant ttl: in order
+        self.examined = 0  # entries expiry sweeps looked at (tests check it follows the expired)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -47,14 +52,17 @@ class PendingRegistrations:
     def add(self, message: Registration, sender: str, now: float) -> None:
         """Keep `message` until its P request is admitted, or for the time to live."""
         key = (sender, message.sender_request_id)
+        if key in self._entries:  # replaced: it expires from its new arrival
+            self.drop(key)
         self._entries[key] = PendingRegistration(message, sender, now + self._ttl)
         for index, name in self._names(message):
             index.setdefault(name, {})[key] = None
-        self._expiry.append((now + self._ttl, key))
 
     def take_for(self, request_id: str) -> list[PendingRegistration]:
         """Remove and return every registration for the P request `request_id`: those naming it,
         else those naming no P id whose D id shares its base id."""
+        if not self._entries:  # the usual case: D registers after P admitted
+            return []
         keys = self._by_id.get(request_id) or self._by_base.get(base_request_id(request_id))
         return [self.drop(key) for key in list(keys or ())]
 
@@ -70,23 +78,21 @@ class PendingRegistrations:
 
     def next_expiry(self) -> float | None:
         """When the oldest registration's time to live ends, if any is kept."""
-        while self._expiry:
-            at, key = self._expiry[0]
-            entry = self._entries.get(key)
-            if entry is not None and entry.expires == at:
-                return at
-            self._expiry.popleft()  # matched or dropped already
+        for entry in self._entries.values():
+            return entry.expires
         return None
 
     def expire(self, now: float) -> list[Key]:
         """Drop the registrations whose time to live is over; return their keys."""
         dropped = []
-        while self._expiry and self._expiry[0][0] <= now:
-            _, key = self._expiry.popleft()
-            entry = self._entries.get(key)
-            if entry is not None and entry.expires <= now:
-                self.drop(key)
-                dropped.append(key)
+        entries = self._entries
+        while entries:
+            key = next(iter(entries))
+            self.examined += 1
+            if entries[key].expires > now:
+                break
+            self.drop(key)
+            dropped.append(key)
         return dropped
 
     def _names(self, message: Registration) -> list[tuple[dict[str, dict[Key, None]], str]]:

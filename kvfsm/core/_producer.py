@@ -54,7 +54,9 @@ class Producer(Side):
     def __init__(self, identity: Identity, mode: Mode, config: CoreConfig | None = None) -> None:
         super().__init__(identity, mode, config)
         self._waiting: dict[str, Request] = {}  # requests that may still take registrations
-        self._waiting_base: dict[str, dict[str, None]] = {}
+        # By base id: the one waiting request with it (the usual case: no dict per request), or
+        # several in admission order.
+        self._waiting_base: dict[str, Request | dict[str, Request]] = {}
         self._pending = PendingRegistrations(
             self.config.max_pending_registrations, self.config.pending_registration_ttl_s
         )
@@ -78,8 +80,8 @@ class Producer(Side):
 
     def _on_admit(self, event: Admit) -> None:
         req = self._new_request(event.request_id, event.blocks)
-        self._waiting[req.id] = req
-        self._waiting_base.setdefault(base_request_id(req.id), {})[req.id] = None
+        req.base_id = base_request_id(req.id)
+        self._wait(req)
         for pending in self._pending.take_for(req.id):
             if req.id in self._waiting:
                 self._attach(req, pending.message, pending.sender)
@@ -196,8 +198,10 @@ class Producer(Side):
         req = self._waiting.get(msg.sender_request_id)
         if req is not None:
             return req
-        ids = self._waiting_base.get(base_request_id(msg.sender_request_id))
-        return self._waiting[next(iter(ids))] if ids else None
+        held = self._waiting_base.get(base_request_id(msg.sender_request_id))
+        if held is None or isinstance(held, Request):
+            return held
+        return next(iter(held.values()))  # the first admitted
 
     def _attach(self, req: Request, msg: Registration, sender: str) -> None:
         try:
@@ -219,17 +223,33 @@ class Producer(Side):
             self._unwait(req)
         self._fire_from_peer(req, "registration")
 
+    def _wait(self, req: Request) -> None:
+        """Index `req` as taking registrations, by id and by base id."""
+        self._waiting[req.id] = req
+        held = self._waiting_base.get(req.base_id)
+        if held is None:
+            self._waiting_base[req.base_id] = req
+        elif isinstance(held, Request):
+            if held is not req:  # (a withdrawn registration re-indexes a request still waiting)
+                self._waiting_base[req.base_id] = {held.id: held, req.id: req}
+        else:
+            held[req.id] = req
+
     def _unwait(self, req: Request) -> None:
-        if self._waiting.pop(req.id, None) is not None:
-            ids = self._waiting_base[base_request_id(req.id)]
-            del ids[req.id]
-            if not ids:
-                del self._waiting_base[base_request_id(req.id)]
+        if self._waiting.pop(req.id, None) is None:
+            return
+        held = self._waiting_base[req.base_id]
+        if isinstance(held, Request):
+            del self._waiting_base[req.base_id]
+            return
+        del held[req.id]
+        if len(held) == 1:
+            self._waiting_base[req.base_id] = next(iter(held.values()))
 
     def _forget(self, req: Request) -> None:
         super()._forget(req)
         self._unwait(req)
-        self._ended_bases.add(base_request_id(req.id), req.state)
+        self._ended_bases.add(req.base_id, req.state)
         for link in req.links.values():
             self._by_consumer.pop((link.agent, link.request_id), None)
 
@@ -300,8 +320,7 @@ class Producer(Side):
             self._by_consumer.pop((link.agent, link.request_id), None)
         req.links, req.peers = {}, ()
         req.tally = TransferTally(req.id, 1)
-        self._waiting[req.id] = req
-        self._waiting_base.setdefault(base_request_id(req.id), {})[req.id] = None
+        self._wait(req)
 
     def _req_cmd_record_cancel(self, req: Request) -> None:
         if self._sender in req.links:
