@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Literal
 
 import msgspec
 import numpy as np
@@ -36,7 +35,7 @@ from kvfsm.fabric._protocol import (
     XferTelemetry,
 )
 from kvfsm.fabric._sim_faults import SimFaults, _Completion, _FaultyClock, _Notif
-from kvfsm.fabric._sim_rows import I64, indices, merged_rows, resolve
+from kvfsm.fabric._sim_rows import I64, Dlist, Xfer, indices, merged_rows, resolve
 
 __all__ = ["SimFabric", "SimNetwork"]
 
@@ -59,33 +58,6 @@ class _Region:
     length: int
 
 
-@dataclass(slots=True)
-class _Dlist:
-    peer: str | None  # None: local memory
-    gen: int  # incarnation owning the memory
-    region: I64  # per row: memory handle, offset inside it, length
-    offset: I64
-    length: I64
-
-
-@dataclass(slots=True)
-class _Xfer:
-    op: XferOp
-    peer: str
-    gen: int  # target incarnation
-    local_region: I64  # per paired row
-    local_offset: I64
-    remote_region: I64
-    remote_offset: I64
-    length: I64
-    notif: bytes
-    merged: int  # rows once those adjacent on both sides are merged, as NIXL's prepped path does
-    state: Literal["NEW", "PROC", "DONE", "ERR"] = "NEW"
-    post: int = 0  # bumped by every post so that a stale completion event is ignored
-    posted_at: float = 0.0
-    done_at: float = 0.0
-
-
 class SimFabric:
     """One simulated agent; implements `Fabric`. Create it with `SimNetwork.agent`.
 
@@ -102,8 +74,8 @@ class SimFabric:
         self._superseded = False  # revived: a new process answers on its address
         self._regions: dict[MemoryHandle, _Region] = {}
         self._remotes: dict[str, _Meta] = {}
-        self._dlists: dict[DlistHandle, _Dlist] = {}
-        self._xfers: dict[XferHandle, _Xfer] = {}
+        self._dlists: dict[DlistHandle, Dlist] = {}
+        self._xfers: dict[XferHandle, Xfer] = {}
         self._released_done: set[XferHandle] = set()
         self._inbox: list[tuple[str, bytes]] = []
 
@@ -131,7 +103,7 @@ class SimFabric:
         if self._down is not None:
             raise FabricError(f"agent {self._name!r} is {self._down}")
 
-    def _xfer(self, handle: XferHandle) -> _Xfer:
+    def _xfer(self, handle: XferHandle) -> Xfer:
         x = self._xfers.get(handle)
         if x is None:
             raise NotFoundError(f"unknown transfer handle {handle} on agent {self._name!r}")
@@ -210,7 +182,7 @@ class SimFabric:
             regions = {h: (a, n) for h, a, n in meta.regions}
         region, offset = resolve(descs, regions, owner)
         handle = self._net._next_id()
-        self._dlists[handle] = _Dlist(agent, gen, region, offset, descs[:, 1].copy())
+        self._dlists[handle] = Dlist(agent, gen, region, offset, descs[:, 1].copy())
         return handle
 
     def release_dlist_handle(self, handle: DlistHandle) -> None:
@@ -287,7 +259,7 @@ class SimFabric:
             )
         merged = merged_rows(lr, lo, rr, ro, length) if merge else len(length)
         handle = self._net._next_id()
-        self._xfers[handle] = _Xfer(op, peer, gen, lr, lo, rr, ro, length, notif, merged)
+        self._xfers[handle] = Xfer(op, peer, gen, lr, lo, rr, ro, length, notif, merged)
         return handle
 
     def transfer(self, handle: XferHandle) -> XferState:
@@ -445,7 +417,7 @@ class SimNetwork(_FaultyClock):
                         x.state = "ERR"
                         self._stats.xfers_err += 1
 
-    def _post(self, fabric: SimFabric, handle: XferHandle, x: _Xfer) -> XferState:
+    def _post(self, fabric: SimFabric, handle: XferHandle, x: Xfer) -> XferState:
         latency, fail_rows = self._plan_post(fabric.agent_name, len(x.length))  # may raise
         x.state, x.post, x.posted_at = "PROC", x.post + 1, self._now
         if latency is None or self._incarnations[x.gen]._silent:
@@ -462,7 +434,7 @@ class SimNetwork(_FaultyClock):
         if x is not None and x.post == ev.post and x.state == "PROC":
             self._complete(fabric, x, ev.fail_rows)
 
-    def _complete(self, fabric: SimFabric, x: _Xfer, fail_rows: int | None) -> None:
+    def _complete(self, fabric: SimFabric, x: Xfer, fail_rows: int | None) -> None:
         target = self._incarnations[x.gen]
         if target._silent:
             return  # a black hole never answers
@@ -477,7 +449,7 @@ class SimNetwork(_FaultyClock):
         if x.notif:
             self._send(fabric, target, x.notif)  # scheduled with a positive latency
 
-    def _copy(self, fabric: SimFabric, target: SimFabric, x: _Xfer, rows: int) -> bool:
+    def _copy(self, fabric: SimFabric, target: SimFabric, x: Xfer, rows: int) -> bool:
         """Copy the first `rows` pairs; False (nothing copied) if some memory is gone."""
         local = [fabric._regions.get(int(h)) for h in x.local_region[:rows]]
         remote = [target._regions.get(int(h)) for h in x.remote_region[:rows]]

@@ -1,16 +1,51 @@
 """How the simulated fabric reads descriptor rows: which registered region and offset each row
-lies in, checked index arrays, and how many rows NIXL's prepped path would merge."""
+lies in, checked index arrays, how many rows NIXL's prepped path would merge, and the records
+of prepared lists and made transfers."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 
-from kvfsm.fabric._protocol import FabricError
+from kvfsm.fabric._protocol import FabricError, XferOp
 
-__all__ = ["I64", "indices", "merged_rows", "resolve"]
+__all__ = ["I64", "Dlist", "Xfer", "indices", "merged_rows", "resolve"]
 
 I64 = npt.NDArray[np.int64]
+
+
+@dataclass(slots=True)
+class Dlist:
+    """A prepared descriptor list: per row, the memory handle, the offset inside it, the length."""
+
+    peer: str | None  # None: local memory
+    gen: int  # incarnation owning the memory
+    region: I64  # per row: memory handle, offset inside it, length
+    offset: I64
+    length: I64
+
+
+@dataclass(slots=True)
+class Xfer:
+    """A made transfer: its paired rows, notification and progress."""
+
+    op: XferOp
+    peer: str
+    gen: int  # target incarnation
+    local_region: I64  # per paired row
+    local_offset: I64
+    remote_region: I64
+    remote_offset: I64
+    length: I64
+    notif: bytes
+    merged: int  # rows once those adjacent on both sides are merged, as NIXL's prepped path does
+    state: Literal["NEW", "PROC", "DONE", "ERR"] = "NEW"
+    post: int = 0  # bumped by every post so that a stale completion event is ignored
+    posted_at: float = 0.0
+    done_at: float = 0.0
 
 
 def resolve(descs: object, regions: dict[int, tuple[int, int]], owner: str) -> tuple[I64, I64]:
