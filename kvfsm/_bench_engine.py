@@ -11,7 +11,6 @@ its completion notification). D, the sink in both modes, checks every byte at th
 
 from __future__ import annotations
 
-import functools
 import multiprocessing as mp
 import os
 import queue
@@ -19,12 +18,14 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from kvfsm._bench_raw import BenchPlan, buffer_of, check_sink, recv_bounded
 from kvfsm.layout import KvGeometry
 
 __all__ = ["bench_geometry", "run_engine_variant"]
 
-_WIRE = 1
 _TOKENS, _DTYPE = 16, 2
 _BOUND_S = 120.0
 
@@ -46,34 +47,30 @@ def bench_geometry(plan: BenchPlan) -> KvGeometry:
 def _rank(side: str, plan: BenchPlan, coalesce: bool, conn: Connection) -> None:
     """One rank process: serve the driver's steps, then report figures."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    from kvfsm._demo_rank import WIRE_VERSION, close_rank, open_rank
     from kvfsm.core import Consumer, CoreConfig, Identity, Mode, Producer
-    from kvfsm.fabric import NixlFabric
-    from kvfsm.runtime import Engine, EngineLoop, KvCache
-    from kvfsm.sidechannel import HandshakeListener, ZmqDirectory, compat_hash, payload_of, validate
+    from kvfsm.runtime import EngineLoop, KvCache
+    from kvfsm.sidechannel import compat_hash
 
     is_p = side == "P"
     mode: Mode = "push" if plan.op == "WRITE" else "pull"
     g = bench_geometry(plan)
     core = (Producer if is_p else Consumer)(Identity(side), mode, CoreConfig())
-    fabric = NixlFabric(core.identity.agent, ucx_error_handling=plan.error_handling("engine"))
     buf = buffer_of(plan, is_p)
-    hash_ = compat_hash(wire_version=_WIRE, mode=mode, model="bench", dtype="bf16", geometry=g)
-    addresses: dict[str, tuple[str, int]] = {}
-    check = functools.partial(validate, expect_mode=mode, local=g, local_is_p=is_p)
-    directory = ZmqDirectory(
-        addresses, compat_hash=hash_, wire_version=_WIRE, timeout_s=10.0, check=check
-    )
-    engine = Engine(core, fabric, KvCache(g, [buf]), directory, time.monotonic, coalesce=coalesce)
-    listener = HandshakeListener(
-        {engine.agent: payload_of(engine, compat_hash=hash_, wire_version=_WIRE)}.get
-    )
+    rank = open_rank(
+        core, KvCache(g, [buf]), coalesce=coalesce,
+        compat_hash=compat_hash(
+            wire_version=WIRE_VERSION, mode=mode, model="bench", dtype="bf16", geometry=g
+        ),
+        ucx_error_handling=plan.error_handling("engine"),
+    )  # fmt: skip
     outputs = _Outputs()
-    loop = EngineLoop(engine, outputs.queue.put)
-    directory.on_result = loop.wake
+    loop = EngineLoop(rank.engine, outputs.queue.put)
+    rank.directory.on_result = loop.wake
     loop.start()
     try:
-        conn.send(("ready", engine.agent, listener.port))
-        addresses.update(conn.recv())
+        conn.send(("ready", rank.engine.agent, rank.listener.port))
+        rank.addresses.update(conn.recv())
         serve = _producer if is_p else _consumer
         result = serve(plan, loop, outputs, conn)
         if not is_p:
@@ -82,11 +79,7 @@ def _rank(side: str, plan: BenchPlan, coalesce: bool, conn: Connection) -> None:
     except Exception as exc:  # report, the driver fails the run saying why
         conn.send(("error", f"{side}: {exc!r}"))
     finally:
-        loop.stop()
-        listener.close()
-        directory.close()
-        engine.close()
-        fabric.close()
+        close_rank(rank, loop)
 
 
 class _Outputs:
@@ -172,9 +165,7 @@ def _rid(i: int, side: str) -> str:
     return f"{'warmup' if i < 0 else f'bench{i}'}-000000{side}{side}"
 
 
-def _ids(blocks: list[int]) -> Any:
-    import numpy as np
-
+def _ids(blocks: list[int]) -> npt.NDArray[np.int32]:
     return np.asarray(blocks, dtype=np.int32)
 
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import msgspec
 
@@ -34,9 +34,10 @@ from kvfsm.fabric import UCX_ERROR_HANDLING_DEFAULT, UcxErrorHandling
 from kvfsm.layout import KvGeometry
 
 if TYPE_CHECKING:
-    from kvfsm.runtime import CallerOutput, Engine
+    from kvfsm.core import Side
+    from kvfsm.runtime import CallerOutput, Engine, KvCache
 
-__all__ = ["LoopFactory", "RankLoop", "RankSpec", "rank_main"]
+__all__ = ["LoopFactory", "Rank", "RankLoop", "RankSpec", "close_rank", "open_rank", "rank_main"]
 
 WIRE_VERSION = 1
 
@@ -93,10 +94,58 @@ def rank_main(spec: RankSpec, conn: Connection, make_loop: LoopFactory | None = 
         raise
 
 
-def _serve(spec: RankSpec, conn: Connection, send: _Sender, make_loop: LoopFactory | None) -> None:
+class Rank(NamedTuple):
+    """An engine rank on real NIXL, reachable for handshakes: what `open_rank` builds."""
+
+    engine: Engine
+    fabric: Any  # NixlFabric
+    directory: Any  # ZmqDirectory
+    listener: Any  # HandshakeListener
+    addresses: dict[str, tuple[str, int]]
+    """Peer agent -> (host, port) of its listener: the caller fills it in."""
+
+
+def open_rank(
+    core: Side,
+    kv: KvCache,
+    *,
+    compat_hash: str,
+    ucx_error_handling: UcxErrorHandling = UCX_ERROR_HANDLING_DEFAULT,
+    coalesce: bool = False,
+) -> Rank:
+    """A NIXL agent for `core`'s side with `kv` registered, its engine, the ZMQ directory that
+    reaches peers' listeners (validating their payloads against `kv`'s geometry) and its own
+    listener. The caller drives the engine (an `EngineLoop`, whose `wake` the directory's
+    `on_result` should call) and closes the rank with `close_rank`."""
     from kvfsm.fabric import NixlFabric
-    from kvfsm.runtime import Engine, EngineLoop, KvCache
+    from kvfsm.runtime import Engine
     from kvfsm.sidechannel import HandshakeListener, ZmqDirectory, payload_of, validate
+
+    fabric = NixlFabric(core.identity.agent, ucx_error_handling=ucx_error_handling)
+    addresses: dict[str, tuple[str, int]] = {}
+    check = functools.partial(
+        validate, expect_mode=core.mode, local=kv.geometry, local_is_p=core.side == "P"
+    )
+    directory = ZmqDirectory(
+        addresses, compat_hash=compat_hash, wire_version=WIRE_VERSION, timeout_s=10.0,
+        check=check,
+    )  # fmt: skip
+    engine = Engine(core, fabric, kv, directory, time.monotonic, coalesce=coalesce)
+    payload = payload_of(engine, compat_hash=compat_hash, wire_version=WIRE_VERSION)
+    listener = HandshakeListener({engine.agent: payload}.get)
+    return Rank(engine, fabric, directory, listener, addresses)
+
+
+def close_rank(rank: Rank, loop: RankLoop) -> None:
+    """Stop the loop (it closes the engine), then the listener, the directory and the agent."""
+    loop.stop()
+    rank.listener.close()
+    rank.directory.close()
+    rank.fabric.close()
+
+
+def _serve(spec: RankSpec, conn: Connection, send: _Sender, make_loop: LoopFactory | None) -> None:
+    from kvfsm.runtime import EngineLoop, KvCache
     from kvfsm.testing import request_seed, write_request
 
     is_p = spec.side == "P"
@@ -104,17 +153,13 @@ def _serve(spec: RankSpec, conn: Connection, send: _Sender, make_loop: LoopFacto
     core = (Producer if is_p else Consumer)(
         Identity(spec.side, g.tp_rank, g.tp_size), spec.mode, spec.config
     )
-    fabric = NixlFabric(core.identity.agent, ucx_error_handling=spec.ucx_error_handling)
     kv = KvCache.allocate(g)
-    addresses: dict[str, tuple[str, int]] = {}
-    check = functools.partial(validate, expect_mode=spec.mode, local=g, local_is_p=is_p)
-    directory = ZmqDirectory(
-        addresses, compat_hash=spec.compat_hash, wire_version=WIRE_VERSION, timeout_s=10.0,
-        check=check,
+    rank = open_rank(
+        core, kv, compat_hash=spec.compat_hash, ucx_error_handling=spec.ucx_error_handling
+    )
+    engine, directory, listener, addresses = (
+        rank.engine, rank.directory, rank.listener, rank.addresses
     )  # fmt: skip
-    engine = Engine(core, fabric, kv, directory, time.monotonic)
-    payload = payload_of(engine, compat_hash=spec.compat_hash, wire_version=WIRE_VERSION)
-    listener = HandshakeListener({engine.agent: payload}.get)
     reporter = _Reporter(spec, kv, send)
     loop = (make_loop or EngineLoop)(engine, reporter.put)
     directory.on_result = loop.wake
@@ -140,12 +185,9 @@ def _serve(spec: RankSpec, conn: Connection, send: _Sender, make_loop: LoopFacto
                 reporter.expect(rid, key, tokens)
                 _watch(loop.submit(Admit(rid, blocks, "P", spec.peer_tp, p_rid)), send)
     finally:
-        loop.stop()
+        close_rank(rank, loop)
         reporter.stop()
-        listener.close()
-        directory.close()
         send(("counters", dict(engine.counters + core.counters), list(loop.errors)))
-        fabric.close()
 
 
 class _Sender:
