@@ -6,8 +6,10 @@ those events, and nothing else, moved a request on."""
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import queue
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -183,14 +185,19 @@ def test_a_callers_mistake_comes_back_in_its_future_and_the_loop_goes_on() -> No
         assert p.loop.alive and not p.loop.errors
 
 
-def test_an_idle_loop_polls_only_at_its_idle_interval() -> None:
-    engine = Engine(
-        Producer(Identity("Pidle"), "push"),
-        NixlFabric("Pidle#0"),
+def _lone_engine(name: str) -> Engine:
+    """A P engine on real NIXL with no peer and no request."""
+    return Engine(
+        Producer(Identity(name), "push"),
+        NixlFabric(f"{name}#0"),
         KvCache.allocate(_GEOMETRY),
         LocalDirectory(time.monotonic).view(),
         time.monotonic,
     )
+
+
+def test_an_idle_loop_polls_only_at_its_idle_interval() -> None:
+    engine = _lone_engine("Pidle")
     loop = EngineLoop(engine, lambda _o: None, idle_poll_s=30.0).start()
     try:
         before = loop.call(lambda _e: loop.polls).result(_BOUND_S)
@@ -204,3 +211,20 @@ def test_an_idle_loop_polls_only_at_its_idle_interval() -> None:
         engine.fabric.close()
     with pytest.raises(RuntimeError, match="has stopped"):
         loop.submit(Admit("late-0000000a", np.array([1], dtype=np.int32))).result(_BOUND_S)
+
+
+def _timer_slack_ns() -> int:
+    return int(ctypes.CDLL(None).prctl(30, 0, 0, 0, 0))  # PR_GET_TIMERSLACK, this thread's
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="timer slack is Linux's")
+def test_the_loop_thread_runs_with_a_tight_timer_slack() -> None:
+    # The default 50 us slack would stretch each 20 us poll interval to ~70 us.
+    engine = _lone_engine("Pslack")
+    loop = EngineLoop(engine, lambda _o: None).start()
+    try:
+        assert loop.call(lambda _e: _timer_slack_ns()).result(_BOUND_S) == 1000
+        assert _timer_slack_ns() != 1000  # the loop's thread only, not its caller's
+    finally:
+        loop.stop()
+        engine.fabric.close()

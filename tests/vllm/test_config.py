@@ -25,6 +25,7 @@ def test_settings_default_and_override() -> None:
         ({"side_channel_port": 70000}, "side_channel_port"),
         ({"heartbeat_s": 40, "lease_s": 30}, "heartbeat_s must be below lease_s"),
         ({"poll_min_us": 0}, "poll_min_us"),
+        ({"poll_hot_us": -1}, "poll_hot_us"),
     ],
 )
 def test_settings_refuse_what_is_wrong(extra: dict[str, object], match: str) -> None:
