@@ -11,7 +11,9 @@ NIXL (1.5.1) offers nothing to wait on for arriving notifications or finished tr
 progress thread busy-polls a core), so while requests are live or transfers in flight the loop
 also polls the fabric: every `poll_min_s` while something happened in the last `hot_s` (a
 hand-off's next message follows its last one within microseconds), then backing off (doubling
-up to `poll_max_s`) while nothing happens. With no request live it
+up to `poll_max_s`) while nothing happens. `hot_s` defaults to 1 ms, except on a pull-mode P
+(0): there P only grants and releases, and its polling took CPU from D's READs (measured:
+docs/runtime.md). With no request live it
 still drains notifications every `idle_poll_s`: a peer it has never met may write at any time
 (a D's registration reaches P's agent before P knows D, e.g. for a request P already let go).
 While its own transfers are in flight it polls every `poll_min_s` without backing off: UCX
@@ -41,6 +43,7 @@ T = TypeVar("T")
 _MAX_ERRORS_KEPT = 16
 _PR_SET_TIMERSLACK = 29
 _TIMER_SLACK_NS = 1000
+_HOT_S = 1e-3
 
 
 class EngineLoop:
@@ -59,10 +62,11 @@ class EngineLoop:
         *,
         poll_min_s: float = 20e-6,
         poll_max_s: float = 1e-3,
-        hot_s: float = 1e-3,
+        hot_s: float | None = None,
         idle_poll_s: float = 0.05,
         name: str | None = None,
     ) -> None:
+        hot_s = _default_hot_s(engine) if hot_s is None else hot_s
         if not 0 < poll_min_s <= poll_max_s or idle_poll_s <= 0 or hot_s < 0:
             raise ValueError("need 0 < poll_min_s <= poll_max_s, hot_s >= 0 and idle_poll_s > 0")
         self.engine = engine
@@ -71,7 +75,8 @@ class EngineLoop:
         self.wakeups = 0
         self.polls = 0
         self._poll_min, self._poll_max, self._idle = poll_min_s, poll_max_s, idle_poll_s
-        self._hot = hot_s
+        self.hot_s = hot_s
+        """Seconds of polling every `poll_min_s` after the last activity."""
         self._cond = threading.Condition()
         self._inbox: list[tuple[Callable[[Engine], Any], Future[Any]]] = []  # guarded by _cond
         self._woken = False  # guarded by _cond
@@ -134,7 +139,7 @@ class EngineLoop:
     # --- the loop's thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
-        backoff = _Backoff(self._poll_min, self._poll_max, self._hot)
+        backoff = _Backoff(self._poll_min, self._poll_max, self.hot_s)
         _tighten_timer_slack()
         try:
             while True:
@@ -206,6 +211,12 @@ class EngineLoop:
             self.engine.close()
         except Exception as exc:
             self.errors.append(f"close: {exc!r}")
+
+
+def _default_hot_s(engine: Engine) -> float:
+    """The loop's hot window for `engine`: 1 ms, or 0 for a P in pull mode."""
+    side = engine.side
+    return 0.0 if side.side == "P" and side.mode == "pull" else _HOT_S
 
 
 class _Backoff:

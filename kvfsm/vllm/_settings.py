@@ -39,8 +39,9 @@ class KvfsmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     poll_min_us: float = 20.0
     """The engine loop polls NIXL this soon after activity, backing off to `poll_max_us`."""
     poll_max_us: float = 1000.0
-    poll_hot_us: float = 1000.0
-    """For this long after the last activity the loop keeps polling every `poll_min_us`."""
+    poll_hot_us: float | None = None
+    """For this long after the last activity the loop keeps polling every `poll_min_us`;
+    unset: 1000, or 0 on a pull-mode P (docs/runtime.md)."""
     gil_switch_interval_us: float = 250.0
     """The worker process's GIL switch interval (Python's default is 5000): the engine loop
     thread shares the GIL with vLLM's busy model-runner thread, and every hop of a hand-off
@@ -81,7 +82,7 @@ class KvfsmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             problems.append(
                 "need handshake_timeout_s > 0, drain_s >= 0, gil_switch_interval_us >= 0"
             )
-        if not 0 < self.poll_min_us <= self.poll_max_us or self.poll_hot_us < 0:
+        if not 0 < self.poll_min_us <= self.poll_max_us or (self.poll_hot_us or 0) < 0:
             problems.append("need 0 < poll_min_us <= poll_max_us and poll_hot_us >= 0")
         if problems:
             raise SettingsError("kv_connector_extra_config: " + "; ".join(problems))

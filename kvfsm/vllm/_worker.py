@@ -100,7 +100,7 @@ class WorkerSide:
             raise
         self.loop = EngineLoop(
             self.engine, self._on_output, poll_min_s=s.poll_min_us * 1e-6,
-            poll_max_s=s.poll_max_us * 1e-6, hot_s=s.poll_hot_us * 1e-6, name=f"kvfsm-{me.agent}",
+            poll_max_s=s.poll_max_us * 1e-6, hot_s=None if s.poll_hot_us is None else s.poll_hot_us * 1e-6, name=f"kvfsm-{me.agent}",
         )  # fmt: skip
         self._directory.on_result = self.loop.wake
         if s.gil_switch_interval_us > 0:

@@ -185,10 +185,10 @@ def test_a_callers_mistake_comes_back_in_its_future_and_the_loop_goes_on() -> No
         assert p.loop.alive and not p.loop.errors
 
 
-def _lone_engine(name: str) -> Engine:
-    """A P engine on real NIXL with no peer and no request."""
+def _lone_engine(name: str, mode: Mode = "push", side: str = "P") -> Engine:
+    """An engine on real NIXL with no peer and no request."""
     return Engine(
-        Producer(Identity(name), "push"),
+        (Producer if side == "P" else Consumer)(Identity(name), mode),
         NixlFabric(f"{name}#0"),
         KvCache.allocate(_GEOMETRY),
         LocalDirectory(time.monotonic).view(),
@@ -227,4 +227,21 @@ def test_the_loop_thread_runs_with_a_tight_timer_slack() -> None:
         assert _timer_slack_ns() != 1000  # the loop's thread only, not its caller's
     finally:
         loop.stop()
+        engine.fabric.close()
+
+
+@pytest.mark.parametrize(
+    ("side", "mode", "hot_s"),
+    [("P", "push", 1e-3), ("P", "pull", 0.0), ("D", "push", 1e-3), ("D", "pull", 1e-3)],
+)
+def test_the_hot_window_is_off_only_on_a_pull_mode_producer(
+    side: str, mode: Mode, hot_s: float
+) -> None:
+    # A pull-mode P only grants and releases; its polling took CPU from D's READs.
+    engine = _lone_engine(f"{side}hot{mode}", mode, side)
+    try:
+        assert EngineLoop(engine, lambda _o: None).hot_s == hot_s
+        assert EngineLoop(engine, lambda _o: None, hot_s=0.5).hot_s == 0.5
+    finally:
+        engine.close()
         engine.fabric.close()
