@@ -80,6 +80,7 @@ def bench_table(report: dict[str, object]) -> None:
     title = (
         f"kvfsm bench: {report['op']} ({report['mode']}), {report['allocation']} blocks,"
         f" {report['descriptors_per_request']} descriptors of {report['block_bytes']} B per request"
+        f"; each variant's median of {report['repeat']} runs"
     )
     table = Table(title=title)
     columns = (

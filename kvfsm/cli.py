@@ -69,6 +69,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--inflight", type=int, default=4, help="transfers in flight at most")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument(
+        "--repeat", type=int, default=3,
+        help="rounds of every variant, interleaved; each variant reports its median run",
+    )  # fmt: skip
+    bench.add_argument(
         "--ucx-error-handling", choices=["peer", "none"], default="peer",
         help="UCX error handling for kvfsm's variants (a1 keeps NIXL's default, peer)",
     )  # fmt: skip
@@ -142,7 +146,7 @@ def _bench(args: argparse.Namespace) -> int:
             num_blocks=args.blocks, regions=args.regions, requests=args.requests,
             blocks_per_request=args.blocks_per_request, inflight=args.inflight, seed=args.seed,
             control_in_flight=tuple(args.control_in_flight), control_total=args.control_total,
-            ucx_error_handling=args.ucx_error_handling,
+            ucx_error_handling=args.ucx_error_handling, repeat=args.repeat,
         )  # fmt: skip
     except ValueError as exc:
         print(f"kvfsm bench: {exc}", file=sys.stderr)

@@ -14,6 +14,7 @@ from kvfsm.cli import main
 
 _SMALL = ["--block-kib", "4", "--blocks", "64", "--regions", "2", "--requests", "8"]
 _SMALL += ["--blocks-per-request", "4", "--control-in-flight", "5", "50", "--control-total", "100"]
+_SMALL += ["--repeat", "1"]
 
 
 @pytest.mark.parametrize(
@@ -52,6 +53,19 @@ def test_bench_reports_every_variant_with_bytes_verified(
     assert all(us > 0 for us in report["control_engine_us_per_request"].values())
 
 
+def test_repeated_rounds_report_each_variants_median_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["bench", *_SMALL, "--repeat", "3", "--control-total", "0", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["verified"] is True and report["repeat"] == 3
+    for variant in ("raw_vllm_style", "raw", "raw_unmerged", "engine", "coalesced"):
+        runs = report[f"{variant}_gbps_runs"]
+        assert len(runs) == 3 and runs == sorted(runs)
+        assert report[f"{variant}_gbps"] == runs[1]
+    assert report["ratio_engine_raw"] == report["engine_gbps_runs"][1] / report["raw_gbps_runs"][1]
+
+
 def test_the_byte_check_fails_on_a_wrong_byte() -> None:
     src, dst = plan_requests(requests=2, blocks=3, num_blocks=16, allocation="fragmented", seed=1)
     plan = BenchPlan(block_bytes=64, num_blocks=16, regions=2, op="WRITE", src=src, dst=dst)
@@ -79,6 +93,8 @@ def test_bench_refuses_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
     assert "at least 1" in capsys.readouterr().err
     assert main(["bench", "--control-in-flight", "0"]) == 2
     assert "control-plane" in capsys.readouterr().err
+    assert main(["bench", "--repeat", "0"]) == 2
+    assert "at least 1" in capsys.readouterr().err
 
 
 def test_the_table_shows_every_row(capsys: pytest.CaptureFixture[str]) -> None:
