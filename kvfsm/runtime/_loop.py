@@ -13,9 +13,9 @@ also polls the fabric: every `poll_min_s` while something happened in the last `
 hand-off's next message follows its last one within microseconds), then backing off (doubling
 up to `poll_max_s`) while nothing happens. `hot_s` defaults to 1 ms, except on a pull-mode P
 (0): there P only grants and releases, and its polling took CPU from D's READs (measured:
-docs/runtime.md). With no request live it
-still drains notifications every `idle_poll_s`: a peer it has never met may write at any time
-(a D's registration reaches P's agent before P knows D, e.g. for a request P already let go).
+docs/runtime.md). With no request live it still drains notifications every `idle_poll_s`: a
+peer it has never met may write at any time (a D's registration reaches P's agent before P
+knows D, e.g. for a request P already let go).
 While its own transfers are in flight it polls every `poll_min_s` without backing off: UCX
 moves a transfer's bytes (rendezvous, shared memory) only inside the poster's progress calls.
 On Linux the loop's thread asks for a timer slack of 1 us (the default 50 us would stretch every
