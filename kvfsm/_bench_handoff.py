@@ -16,7 +16,6 @@ out.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import queue
 import threading
@@ -31,6 +30,7 @@ import numpy as np
 from kvfsm._demo_rank import WIRE_VERSION, RankSpec, rank_main
 from kvfsm._nixl_demo import _await_ready, _Driver, _readable, _stop, _Tally
 from kvfsm._presets import DTYPES, model_geometry
+from kvfsm._render import figures_table
 from kvfsm.core import Event, Mode, agent_name
 from kvfsm.fabric import UCX_ERROR_HANDLING_DEFAULT, UcxErrorHandling
 from kvfsm.runtime import CallerOutput, Engine
@@ -210,11 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         args.mode, args.requests, model=args.model, max_blocks=args.max_blocks,
         ucx_error_handling=args.ucx_error_handling or UCX_ERROR_HANDLING_DEFAULT,
     )  # fmt: skip
-    if args.json:
-        print(json.dumps(figures))
-    else:
-        for key, value in figures.items():
-            print(f"{key:32} {value}")
+    figures_table("hand-off: event-driven loop vs 1 ms polling", figures, as_json=args.json)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ benchmark down with it.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import signal
@@ -36,6 +35,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvfsm._render import figures_table
 from kvfsm.fabric import UCX_ERROR_HANDLING_MODES, UcxErrorHandling
 
 __all__ = ["XFER_BYTES", "bench_notifications", "measure_mode"]
@@ -322,11 +322,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
     figures = bench_notifications(args.samples, args.kill_timeout_s)
-    if args.json:
-        print(json.dumps(figures))
-    else:
-        for key, value in figures.items():
-            print(f"{key:40} {value}")
+    figures_table("notifications: UCX error handling peer vs none", figures, as_json=args.json)
 
 
 if __name__ == "__main__":

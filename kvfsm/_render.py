@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import json
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -13,7 +14,7 @@ from rich.table import Table
 if TYPE_CHECKING:
     from kvfsm._demo import DemoReport
 
-__all__ = ["bench_table", "demo_table", "progress_bar"]
+__all__ = ["bench_table", "demo_table", "figures_table", "progress_bar"]
 
 
 @contextmanager
@@ -123,3 +124,16 @@ def bench_table(report: dict[str, object]) -> None:
             plane.add_row(n, f"{us:.1f}", f"{engine[n]:.1f}")
         console.print(plane)
     console.print("every byte verified" if report["verified"] else "[red]BYTES WRONG[/red]")
+
+
+def figures_table(title: str, figures: Mapping[str, Any], as_json: bool = False) -> None:
+    """Print a benchmark's figures: one JSON object, or a table of figure and value."""
+    if as_json:
+        print(json.dumps(dict(figures)))
+        return
+    table = Table(title=title)
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for key, value in figures.items():
+        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    Console().print(table)
