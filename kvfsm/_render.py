@@ -13,8 +13,9 @@ from rich.table import Table
 
 if TYPE_CHECKING:
     from kvfsm._demo import DemoReport
+    from kvfsm.testing._scenario import ScenarioReport
 
-__all__ = ["bench_table", "demo_table", "figures_table", "progress_bar"]
+__all__ = ["bench_table", "demo_table", "figures_table", "progress_bar", "scenario_table"]
 
 
 @contextmanager
@@ -137,3 +138,27 @@ def figures_table(title: str, figures: Mapping[str, Any], as_json: bool = False)
     for key, value in figures.items():
         table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
     Console().print(table)
+
+
+def scenario_table(report: ScenarioReport) -> None:
+    """Print one scenario run: every request's trace and final states, then the verdict."""
+    console = Console()
+    console.print(f"[bold]{report.name}[/bold] ({report.mode}, {report.fabric} fabric)")
+    if report.reference:
+        console.print(f"reproduces: {report.reference}")
+    for key, outcome in report.requests.items():
+        finals = ", ".join(f"{agent} {state}" for agent, state in outcome.final_state.items())
+        trace = Table(title=f"{key}: {finals}", title_justify="left")
+        for column in ("t (s)", "rank", "event", "state entered"):
+            trace.add_column(column, justify="right" if column == "t (s)" else "left")
+        for entry in outcome.trace:
+            trace.add_row(f"{entry.t:.4f}", entry.agent, entry.event, entry.state)
+        console.print(trace)
+    for agent, counted in report.counters.items():
+        console.print(f"{agent} counted: " + ", ".join(f"{k} {n}" for k, n in counted.items()))
+    for problem in report.violations:
+        console.print(f"[red]violation:[/red] {problem}")
+    for problem in report.unmet:
+        console.print(f"[red]unmet:[/red] {problem}")
+    verdict = "[green]passed[/green]" if report.passed else "[red]FAILED[/red]"
+    console.print(f"{verdict} after {report.elapsed_s:.3f} s of {report.fabric} time")

@@ -1,4 +1,4 @@
-"""The `kvfsm` command line: `demo`, `bench`, `diagrams`."""
+"""The `kvfsm` command line: `demo`, `bench`, `scenario`, `diagrams`."""
 
 from __future__ import annotations
 
@@ -86,6 +86,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     bench.add_argument("--json", action="store_true", help="print one JSON object")
 
+    scenario = commands.add_parser(
+        "scenario", help="replay scenario files (engines, requests, a timeline, faults)"
+    )
+    scenario.add_argument("files", type=Path, nargs="+", metavar="FILE.toml")
+    scenario.add_argument(
+        "--fabric", choices=["sim", "nixl"], default="sim",
+        help="sim: the simulated fabric (every fault); nixl: real NIXL agents in this process",
+    )  # fmt: skip
+    scenario.add_argument("--json", action="store_true", help="print one JSON object per file")
+
     diagrams = commands.add_parser("diagrams", help="generate docs/diagrams from models/")
     diagrams.add_argument("--out", type=Path, default=_DIAGRAMS)
     diagrams.add_argument("--check", action="store_true", help="fail if they are stale")
@@ -95,6 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _demo(args)
     if args.command == "bench":
         return _bench(args)
+    if args.command == "scenario":
+        return _scenario(args)
     return _diagrams(args)
 
 
@@ -158,6 +170,33 @@ def _bench(args: argparse.Namespace) -> int:
     else:
         bench_table(report)
     return 0 if report["verified"] else 1
+
+
+def _scenario(args: argparse.Namespace) -> int:
+    from kvfsm._render import progress_bar, scenario_table
+    from kvfsm.testing._scenario import run_scenario
+    from kvfsm.testing._scenario_file import ScenarioError, load_scenario
+
+    try:
+        scenarios = [load_scenario(path) for path in args.files]
+    except ScenarioError as exc:
+        print(f"kvfsm scenario: {exc}", file=sys.stderr)
+        return 2
+    reports = []
+    with progress_bar(len(scenarios), enabled=not args.json, label="scenarios") as advance:
+        for scenario in scenarios:
+            try:
+                reports.append(run_scenario(scenario, args.fabric))
+            except ScenarioError as exc:
+                print(f"kvfsm scenario: {exc}", file=sys.stderr)
+                return 2
+            advance(1)
+    for report in reports:
+        if args.json:
+            print(json.dumps(msgspec.to_builtins(report), sort_keys=True))
+        else:
+            scenario_table(report)
+    return 0 if all(r.passed for r in reports) else 1
 
 
 def _diagrams(args: argparse.Namespace) -> int:

@@ -1,6 +1,6 @@
 """Public test tools: a simulated P/D cluster with the safety properties checked, the hypothesis
-state machine over it, the transition coverage report, and recognisable KV contents checkable on
-any rank of any geometry."""
+state machine over it, scenario files replayed on it, the transition coverage report, and
+recognisable KV contents checkable on any rank of any geometry."""
 
 from kvfsm.testing._cluster import (
     FAST_CONFIG,
@@ -11,6 +11,8 @@ from kvfsm.testing._cluster import (
 )
 from kvfsm.testing._invariants import COVERAGE, Conformance, Ledger, untaken_transitions
 from kvfsm.testing._pattern import PatternCheck, check_request, request_seed, write_request
+from kvfsm.testing._scenario import ScenarioReport, run_scenario
+from kvfsm.testing._scenario_file import Scenario, ScenarioError, load_scenario
 from kvfsm.testing._stateful import LifecycleMachine, machine_for
 from kvfsm.testing._tour import SCENARIOS, run_tour
 
@@ -25,10 +27,15 @@ __all__ = [
     "LifecycleMachine",
     "PairedRequest",
     "PatternCheck",
+    "Scenario",
+    "ScenarioError",
+    "ScenarioReport",
     "SimCluster",
     "check_request",
+    "load_scenario",
     "machine_for",
     "request_seed",
+    "run_scenario",
     "run_tour",
     "untaken_transitions",
     "write_request",
