@@ -178,14 +178,15 @@ class Consumer(Side):
         if link.transfer_id:
             self._count_error("duplicate", f"grant for {req.id!r} from {sender}")
             return
-        if self._now > msg.deadline:
+        deadline = self._local_time(sender, msg.deadline)  # P's clock, taken early on ours
+        if self._now > deadline:
             # Too late to read safely: P may release its blocks before a READ posted now ends.
             self._count_error("grant_expired", f"grant for {req.id!r} from {sender}")
             self._fire_from_peer(req, "peer_failed")
             return
         link.request_id = msg.sender_request_id
         link.block_ids = unpack_blocks(msg.block_ids)
-        link.deadline = msg.deadline
+        link.deadline = deadline
         self._fire_from_peer(req, "peer_granted")
 
     def _result_from_peer(self, req: Request, sender: str, ok: bool) -> None:

@@ -271,7 +271,8 @@ class Producer(Side):
                 continue
             link.transfer_id = tid = self._new_transfer_id()
             self._transfers[tid] = (req.id, link.agent)
-            if self._now >= link.deadline:  # D may have given up and be fencing already
+            # D may have given up and be fencing already (its deadline is on D's clock)
+            if self._now >= self._local_time(link.agent, link.deadline):
                 self._count_error("rejected", f"{req.id}: D's registration deadline passed")
                 self._transfers.pop(tid)
                 self._tally_result(req, link.agent, False)

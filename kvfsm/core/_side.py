@@ -85,6 +85,8 @@ class Peer(msgspec.Struct, gc=False):
     waiters: dict[str, None] = msgspec.field(default_factory=dict)
     outbox: list[bytes] = msgspec.field(default_factory=list)
     contact: str = ""  # where its side channel listens, once learned
+    clock_offset: float = 0.0  # its clock minus ours, from the last handshake
+    clock_error: float = 0.0  # how far off that offset may be (half the handshake's round trip)
 
 
 class Side:
@@ -120,7 +122,7 @@ class Side:
             Tick: self._on_tick,
             Shutdown: self._on_shutdown,
             NotificationReceived: self._on_notification,
-            HandshakeDone: lambda e: self._peer_event(e.peer, "handshake_done"),
+            HandshakeDone: self._on_handshake_done,
             HandshakeFailed: self._on_handshake_failed,
             PeerLost: lambda e: self._peer_event(e.peer, "peer_lost"),
             TransferResult: self._on_transfer_result,
@@ -179,6 +181,20 @@ class Side:
                 self._req.fire(req, "abort", self._now)
         for peer in list(self.peers.values()):
             self._peer.fire(peer, "shutdown", self._now)
+
+    def _on_handshake_done(self, event: HandshakeDone) -> None:
+        peer = self.peers.get(event.peer)
+        if peer is not None:
+            peer.clock_offset, peer.clock_error = event.clock_offset, event.clock_error
+        self._peer_event(event.peer, "handshake_done")
+
+    def _local_time(self, agent: str, peer_time: float) -> float:
+        """A time on `agent`'s clock as the earliest it can be on ours (deadlines cross hosts:
+        taking them early is the safe side for every deadline kvfsm sends)."""
+        peer = self.peers.get(agent)
+        if peer is None:
+            return peer_time
+        return peer_time - peer.clock_offset - peer.clock_error
 
     def _on_handshake_failed(self, event: HandshakeFailed) -> None:
         self._count_error("handshake_failed", f"{event.peer}: {event.reason}")

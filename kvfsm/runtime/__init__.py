@@ -1,6 +1,6 @@
 """The runtime: engines that drive the core and execute its commands on a fabric."""
 
-from kvfsm.runtime._directory import DirectoryView, LocalDirectory
+from kvfsm.runtime._directory import DirectoryView, LocalDirectory, clock_offset
 from kvfsm.runtime._engine import (
     CallerOutput,
     Directory,
@@ -28,6 +28,7 @@ __all__ = [
     "RequestTrace",
     "Route",
     "TransferStats",
+    "clock_offset",
     "plan_route",
     "time_in_state",
 ]

@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
+import msgspec
+
 from kvfsm.runtime._engine import HandshakeError, PeerInfo
 
-__all__ = ["DirectoryView", "LocalDirectory"]
+__all__ = ["DirectoryView", "LocalDirectory", "clock_offset"]
 
 
 class LocalDirectory:
@@ -17,19 +19,25 @@ class LocalDirectory:
 
     def __init__(self, clock: Callable[[], float] = lambda: 0.0, latency: float = 0.0) -> None:
         self._engines: dict[str, Callable[[], PeerInfo]] = {}
+        self._clocks: dict[str, Callable[[], float]] = {}
         self._failures: Counter[str] = Counter()
         self._hangs: Counter[str] = Counter()
         self._hang_s: dict[str, float] = {}
         self._clock = clock
         self._latency = latency
 
-    def view(self) -> DirectoryView:
-        """A per-engine handle implementing the runtime's `Directory` protocol."""
-        return DirectoryView(self)
+    def view(self, clock: Callable[[], float] | None = None) -> DirectoryView:
+        """A per-engine handle implementing the runtime's `Directory` protocol, for an engine
+        whose clock is `clock` (default: the directory's)."""
+        return DirectoryView(self, clock or self._clock)
 
-    def publish(self, agent: str, info: Callable[[], PeerInfo]) -> None:
-        """Make `agent` reachable; `info` is called at each handshake (metadata may change)."""
+    def publish(
+        self, agent: str, info: Callable[[], PeerInfo], clock: Callable[[], float] | None = None
+    ) -> None:
+        """Make `agent` reachable; `info` is called at each handshake (metadata may change).
+        `clock` is the engine's (default: the directory's): handshakes measure its offset."""
         self._engines[agent] = info
+        self._clocks[agent] = clock or self._clock
 
     def withdraw(self, agent: str) -> None:
         """Make `agent` unreachable (its process is gone)."""
@@ -54,13 +62,19 @@ class LocalDirectory:
             raise HandshakeError(f"nothing listens for {peer!r}")
         return info()
 
+    def peer_clock(self, peer: str) -> float:
+        """`peer`'s clock now (the directory's for an engine published without one)."""
+        return self._clocks.get(peer, self._clock)()
+
 
 class DirectoryView:
     """One engine's handshakes through a `LocalDirectory`."""
 
-    def __init__(self, directory: LocalDirectory) -> None:
+    def __init__(self, directory: LocalDirectory, clock: Callable[[], float]) -> None:
         self._directory = directory
-        self._started: list[tuple[float, str]] = []
+        self._clock = clock
+        # (due, peer, our clock at the start, the peer's clock when the request reaches it)
+        self._started: list[tuple[float, str, float, float]] = []
 
     def start(self, peer: str, contact: str = "") -> None:
         """Begin a handshake with `peer`; it finishes after the directory's latency (engines
@@ -70,17 +84,36 @@ class DirectoryView:
         if d._hangs[peer] > 0:
             d._hangs[peer] -= 1
             delay = d._hang_s[peer]
-        self._started.append((d._clock() + delay, peer))
+        reached = d.peer_clock(peer) + d._latency / 2  # a hang is the peer holding the request
+        self._started.append((d._clock() + delay, peer, self._clock(), reached))
 
     def results(self) -> list[tuple[str, PeerInfo | HandshakeError]]:
         """The handshakes whose latency has passed."""
         now = self._directory._clock()
-        due = [p for t, p in self._started if t <= now]
-        self._started = [(t, p) for t, p in self._started if t > now]
+        due = [entry[1:] for entry in self._started if entry[0] <= now]
+        self._started = [entry for entry in self._started if entry[0] > now]
         out: list[tuple[str, PeerInfo | HandshakeError]] = []
-        for peer in due:
+        for peer, sent, reached in due:
             try:
-                out.append((peer, self._directory.lookup(peer)))
+                info = self._directory.lookup(peer)
             except HandshakeError as exc:
                 out.append((peer, exc))
+                continue
+            # As the ZMQ side channel measures it; the answer travels half the latency back.
+            answered = self._directory.peer_clock(peer) - self._directory._latency / 2
+            offset, error = clock_offset(sent, reached, answered, self._clock())
+            out.append(
+                (peer, msgspec.structs.replace(info, clock_offset=offset, clock_error=error))
+            )
         return out
+
+
+def clock_offset(
+    sent: float, peer_received: float, peer_sent: float, received: float
+) -> tuple[float, float]:
+    """A peer's clock minus ours, and the bound on its error, from one exchange (NTP's
+    estimate): we sent at `sent` and got the answer at `received` (our clock); the peer got the
+    request at `peer_received` and answered at `peer_sent` (its clock). The error is at most
+    half the time the messages spent travelling, however long the peer held the request."""
+    travel = (received - sent) - (peer_sent - peer_received)
+    return ((peer_received - sent) + (peer_sent - received)) / 2, max(travel, 0.0) / 2

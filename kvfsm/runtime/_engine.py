@@ -47,11 +47,14 @@ CallerOutput = ReleaseBlocks | ReportReceived | ReportFailed | Finished | Reques
 
 
 class PeerInfo(msgspec.Struct, frozen=True):
-    """What a handshake learns about a peer rank: its agent and where its KV regions are."""
+    """What a handshake learns about a peer rank: its agent, where its KV regions are, and its
+    clock: the peer's clock minus ours, within `clock_error` seconds."""
 
     agent: str
     metadata: bytes
     layout: RegionLayout
+    clock_offset: float = 0.0
+    clock_error: float = 0.0
 
 
 class HandshakeError(Exception):
@@ -220,7 +223,7 @@ class Engine:
             self.counters["handshake_failed"] += 1
             self._queue.append(HandshakeFailed(peer, str(exc)))
             return
-        self._queue.append(HandshakeDone(peer))
+        self._queue.append(HandshakeDone(peer, result.clock_offset, result.clock_error))
 
     def _route(self, peer: str, info: PeerInfo) -> Route:
         route = plan_route(self.kv.geometry, info.layout.geometry, local_is_p=self._local_is_p)

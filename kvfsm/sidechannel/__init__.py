@@ -2,12 +2,12 @@
 and KV block geometry before any transfer.
 
 A `HandshakeListener` (one per engine rank process, ROUTER socket, one daemon thread) serves the
-`HandshakePayload` of its agents; `fetch_payload` asks for one (REQ socket, bounded by a timeout)
+`HandshakePayload` of its agents; `fetch_peer` asks for one (REQ socket, bounded by a timeout)
 and `validate` checks its geometry; `ZmqDirectory` runs those off the engine's thread and
 implements the runtime's `Directory` protocol. Both ends agree on a `compat_hash`.
 """
 
-from kvfsm.sidechannel._client import fetch_payload, validate
+from kvfsm.sidechannel._client import fetch_peer, validate
 from kvfsm.sidechannel._directory import ZmqDirectory
 from kvfsm.sidechannel._listener import HandshakeListener
 from kvfsm.sidechannel._payload import (
@@ -39,7 +39,7 @@ __all__ = [
     "decode_reply",
     "decode_request",
     "encode",
-    "fetch_payload",
+    "fetch_peer",
     "payload_of",
     "validate",
 ]

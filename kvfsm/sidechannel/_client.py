@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import zmq
 
 from kvfsm.core import agent_name
 from kvfsm.layout import KvGeometry
-from kvfsm.runtime import HandshakeError, plan_route
+from kvfsm.runtime import HandshakeError, clock_offset, plan_route
 from kvfsm.sidechannel._payload import (
     _HARD_LIMIT_BYTES,
     HandshakePayload,
@@ -17,10 +20,10 @@ from kvfsm.sidechannel._payload import (
     encode,
 )
 
-__all__ = ["fetch_payload", "validate"]
+__all__ = ["fetch_peer", "validate"]
 
 
-def fetch_payload(
+def fetch_peer(
     host: str,
     port: int,
     agent: str,
@@ -28,13 +31,18 @@ def fetch_payload(
     compat_hash: str,
     wire_version: int,
     timeout_s: float,
-) -> HandshakePayload:
+    clock: Callable[[], float] = time.monotonic,
+) -> tuple[HandshakePayload, float, float]:
     """Ask the listener at `host:port` for `agent`'s payload; raise `HandshakeError` saying why
     when nothing answers within `timeout_s`, the listener refuses, or the reply is undecodable or
-    for another agent, wire version or compat hash. Geometry is left to `validate`."""
+    for another agent, wire version or compat hash. Geometry is left to `validate`. Returns the
+    payload, the listener's clock minus ours (`clock`, the engines' clock) and the bound on that
+    estimate's error: half the time the exchange spent travelling."""
     where = f"{host}:{port}"
     request = HandshakeRequest(agent, wire_version, compat_hash)
+    sent = clock()
     data = _exchange(host, port, encode(request), timeout_s)
+    received = clock()
     try:
         reply = decode_reply(data)
     except SidechannelError as exc:
@@ -53,7 +61,7 @@ def fetch_payload(
             f"compat hash mismatch with {agent!r} at {where}: "
             f"we have {compat_hash}, it has {payload.compat_hash}"
         )
-    return payload
+    return (payload, *clock_offset(sent, reply.received, reply.sent, received))
 
 
 def _exchange(host: str, port: int, request: bytes, timeout_s: float) -> bytes:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 
 from kvfsm.runtime import HandshakeError, PeerInfo
-from kvfsm.sidechannel._client import fetch_payload, validate
+from kvfsm.sidechannel._client import fetch_peer, validate
 from kvfsm.sidechannel._payload import HandshakePayload
 
 __all__ = ["ZmqDirectory"]
@@ -25,7 +26,8 @@ class ZmqDirectory:
     consistent payload); pass e.g. ``functools.partial(validate, expect_mode="pull",
     local=geometry)`` for more. `wait(timeout)` blocks until a result is ready, for loops with
     nothing else to do; `on_result` (if set) is called from the handshake thread whenever one
-    is, e.g. to wake an engine loop.
+    is, e.g. to wake an engine loop. Each handshake measures the peer's clock against `clock`
+    (the engines' clock, `time.monotonic`): deadlines between hosts are converted with it.
     """
 
     def __init__(
@@ -37,6 +39,7 @@ class ZmqDirectory:
         timeout_s: float = 5.0,
         max_workers: int = 4,
         check: Callable[[HandshakePayload], None] = validate,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if timeout_s <= 0 or max_workers < 1:
             raise ValueError(f"need timeout_s > 0 and max_workers >= 1: {timeout_s}, {max_workers}")
@@ -45,6 +48,7 @@ class ZmqDirectory:
         self.wire_version = wire_version
         self.timeout_s = timeout_s
         self._check = check
+        self._clock = clock  # the engines' clock, to learn each peer's offset from it
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="kvfsm-directory")
         self._ready = threading.Condition()
         self._done: list[tuple[str, _Result]] = []  # guarded by _ready
@@ -97,16 +101,12 @@ class ZmqDirectory:
     def _handshake(self, peer: str, contact: str) -> _Result:
         # Runs on a pool thread; anything it raises becomes a failed handshake in `_finish`.
         host, port = self._resolve(peer, contact)
-        payload = fetch_payload(
-            host,
-            port,
-            peer,
-            compat_hash=self.compat_hash,
-            wire_version=self.wire_version,
-            timeout_s=self.timeout_s,
-        )
+        payload, offset, error = fetch_peer(
+            host, port, peer, compat_hash=self.compat_hash, wire_version=self.wire_version,
+            timeout_s=self.timeout_s, clock=self._clock,
+        )  # fmt: skip
         self._check(payload)
-        return PeerInfo(payload.agent, payload.agent_metadata, payload.layout())
+        return PeerInfo(payload.agent, payload.agent_metadata, payload.layout(), offset, error)
 
     def _finish(self, peer: str, future: Future[_Result]) -> None:
         result: _Result

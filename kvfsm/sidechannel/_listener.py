@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from types import TracebackType
@@ -38,8 +39,9 @@ class HandshakeListener:
 
     `payloads` is called on the listener's thread, not the caller's: it must be thread-safe and
     must not touch the fabric (build each payload in advance and look it up). Binds `host:port`
-    (127.0.0.1 by default; port 0 picks a free port, see `.port`). `.counters` counts requests
-    by outcome (`accepted`, `refused`, `malformed`, `oversized`, `errors`; disjoint).
+    (127.0.0.1 by default; port 0 picks a free port, see `.port`); every answer carries the
+    times, on `clock` (the engines' clock), the request arrived and the answer left. `.counters` counts requests by outcome (`accepted`, `refused`,
+    `malformed`, `oversized`, `errors`; disjoint).
     """
 
     def __init__(
@@ -47,8 +49,10 @@ class HandshakeListener:
         payloads: Callable[[str], HandshakePayload | None],
         host: str = "127.0.0.1",
         port: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._payloads = payloads
+        self._clock = clock  # the engines' clock: every answer carries it
         self.host = host
         self.counters: Counter[str] = Counter()
         # An own context: terminating it on close waits until libzmq has really closed the
@@ -111,8 +115,9 @@ class HandshakeListener:
         envelope, body = frames[:1], frames[1:]
         if body and body[0] == b"":
             envelope, body = frames[:2], frames[2:]
+        arrived = self._clock()
         try:
-            reply, outcome = self._reply(body)
+            reply, outcome = self._reply(body, arrived)
         except Exception as exc:
             # A failing `payloads` must not leave the asker waiting for its whole timeout.
             reply, outcome = HandshakeRefused(f"listener error: {exc!r:.200}"), "errors"
@@ -120,7 +125,7 @@ class HandshakeListener:
         # ROUTER drops (never blocks on) replies to peers that went away or are not reading.
         self._socket.send_multipart([*envelope, encode(reply)], zmq.NOBLOCK)
 
-    def _reply(self, body: list[bytes]) -> tuple[HandshakeReply, str]:
+    def _reply(self, body: list[bytes], arrived: float) -> tuple[HandshakeReply, str]:
         size = sum(len(frame) for frame in body)
         if size > MAX_HANDSHAKE_BYTES:
             reason = f"oversized request: {size} bytes exceeds {MAX_HANDSHAKE_BYTES}"
@@ -147,7 +152,7 @@ class HandshakeListener:
                 f"mode or wire version differ)"
             )
             return HandshakeRefused(reason), "refused"
-        return HandshakeAccepted(payload), "accepted"
+        return HandshakeAccepted(payload, arrived, self._clock()), "accepted"
 
     # --- lifetime ------------------------------------------------------------------------------
 

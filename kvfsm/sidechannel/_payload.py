@@ -10,6 +10,7 @@ and type-checked on decode, so garbage from the network becomes a `SidechannelEr
 from __future__ import annotations
 
 import hashlib
+from typing import Annotated
 
 import msgspec
 
@@ -89,12 +90,19 @@ class HandshakePayload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return RegionLayout(self.geometry, self.base_addresses, self.device)
 
 
+_Clock = Annotated[float, msgspec.Meta(ge=-1e15, le=1e15)]  # finite: NaN fails the bounds
+
+
 class HandshakeAccepted(
     msgspec.Struct, frozen=True, tag_field="k", tag="ok", forbid_unknown_fields=True
 ):
-    """Listener -> asking side: the payload of the requested agent."""
+    """Listener -> asking side: the payload of the requested agent, and the listener's clock
+    (the engines' clock, `time.monotonic`) when the request arrived and when it answered: the
+    asking side learns the offset between the hosts' clocks from them."""
 
     payload: HandshakePayload
+    received: _Clock
+    sent: _Clock
 
 
 class HandshakeRefused(

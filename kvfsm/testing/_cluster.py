@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -100,6 +100,7 @@ class SimCluster:
         trace: bool = True,
         fabric: Literal["sim", "nixl"] = "sim",
         ucx_error_handling: UcxErrorHandling = UCX_ERROR_HANDLING_DEFAULT,
+        clock_skew: Mapping[str, float] | None = None,
     ) -> None:
         """P's ranks use `geometry` (with `num_blocks`), D's the same with `d_block_size` tokens
         per block (default: P's; it must be a multiple of P's).
@@ -108,11 +109,14 @@ class SimCluster:
         the monotonic clock: the operations both fabrics support (admit, prefill, abort, time)
         run unchanged, the safety ledger checks them alike, and `step` only polls (time passes
         on its own); faults, kills and revivals exist on the simulated fabric only. `close()`
-        releases the agents; `ucx_error_handling` is their UCX error handling mode."""
+        releases the agents; `ucx_error_handling` is their UCX error handling mode.
+        `clock_skew` maps a side ("P", "D") to seconds added to its engines' clocks: hosts
+        whose monotonic clocks started at different times."""
         self.mode: Mode = mode
         self.config = config
         self.network = SimNetwork(seed, faults)
         self.real = fabric == "nixl"
+        self.clock_skew = {"P": 0.0, "D": 0.0, **(clock_skew or {})}
         self.ucx_error_handling: UcxErrorHandling = ucx_error_handling
         self._t0 = time.monotonic()
         self.directory = LocalDirectory(lambda: self.now, 0.0 if self.real else handshake_latency)
@@ -170,10 +174,11 @@ class SimCluster:
         else:
             fabric = self.network.agent(agent)
         kv = KvCache.allocate(self.geometry[side].for_rank(rank))
-        view = self.directory.view()
-        engine = Engine(core, fabric, kv, view, lambda: self.now)
+        skew = self.clock_skew[side]
+        clock = (lambda: self.now + skew) if skew else (lambda: self.now)
+        engine = Engine(core, fabric, kv, self.directory.view(clock), clock)
         self.engines[agent] = engine
-        self.directory.publish(agent, engine.info)
+        self.directory.publish(agent, engine.info, clock)
         self.dead.discard(agent)
         return engine
 

@@ -103,6 +103,7 @@ class _Run:
                 scenario.mode, seed=scenario.seed, faults=SimFaults(**scenario.network),
                 config=core_config(scenario), num_blocks=p.num_blocks, geometry=geometry,
                 d_block_size=d.block_size, p_tp=p.tp, d_tp=d.tp, fabric=fabric,
+                clock_skew={"P": p.clock_skew, "D": d.clock_skew},
             )  # fmt: skip
         except ValueError as exc:  # a geometry the engines cannot run (TP not splitting heads)
             raise ScenarioError(f"{scenario.name}: engines: {exc}") from None
@@ -274,7 +275,8 @@ class _Run:
                 final[agent], history = f"live: {live.state}", tuple(live.history or ())
             else:
                 final[agent], history = self.state(key, agent), ()
-            trace += [TraceEntry(round(t - self.start, 6), agent, e, st) for e, st, t in history]
+            t0 = self.start + self.cluster.clock_skew[agent[0]]  # one clock for every rank
+            trace += [TraceEntry(round(t - t0, 6), agent, e, st) for e, st, t in history]
         trace.sort(key=lambda entry: entry.t)
         return RequestOutcome(ids={"P": pr.p_id, "D": pr.d_id}, final_state=final, trace=trace)
 

@@ -77,6 +77,8 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     num_blocks: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 24
     mla: bool = False
     """Replicated latent KV (one copy on every rank) instead of heads split by TP."""
+    clock_skew: Annotated[float, msgspec.Meta(ge=-1e9, le=1e9)] = 0.0
+    """Seconds added to this engine's clock: a host whose monotonic clock started elsewhere."""
 
 
 class RequestSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -40,13 +40,14 @@ class LifecycleMachine(RuleBasedStateMachine):
     faults: ClassVar[SimFaults | None] = None
     geometry: ClassVar[KvGeometry] = SIM_GEOMETRY
     d_block_size: ClassVar[int | None] = None
+    clock_skew: ClassVar[dict[str, float] | None] = None
     examples_run: ClassVar[int] = 0  # over every machine, for the coverage check
 
     def __init__(self) -> None:
         super().__init__()
         self.cluster = SimCluster(
             self.mode, p_tp=self.p_tp, d_tp=self.d_tp, faults=self.faults, num_blocks=24,
-            geometry=self.geometry, d_block_size=self.d_block_size,
+            geometry=self.geometry, d_block_size=self.d_block_size, clock_skew=self.clock_skew,
         )  # fmt: skip
         self.count = 0
         self.agents = self.cluster.agents("P") + self.cluster.agents("D")
@@ -177,13 +178,16 @@ def machine_for(
     *,
     geometry: KvGeometry = SIM_GEOMETRY,
     d_block_size: int | None = None,
+    clock_skew: dict[str, float] | None = None,
 ) -> type[LifecycleMachine]:
     """A `LifecycleMachine` subclass for one mode, TP pair, background fault mix, model geometry
-    (e.g. replicated MLA KV) and D block size (a multiple of the geometry's)."""
+    (e.g. replicated MLA KV), D block size (a multiple of the geometry's) and clock skew per
+    side (hosts whose clocks differ)."""
     name = f"LifecycleMachine_{mode}_{p_tp}x{d_tp}" + ("_mla" if geometry.mla else "")
     name += f"_d{d_block_size}" if d_block_size else ""
+    name += "_skewed" if clock_skew else ""
     attrs = {
         "mode": mode, "p_tp": p_tp, "d_tp": d_tp, "faults": faults, "geometry": geometry,
-        "d_block_size": d_block_size,
+        "d_block_size": d_block_size, "clock_skew": clock_skew,
     }  # fmt: skip
     return type(name, (LifecycleMachine,), attrs)

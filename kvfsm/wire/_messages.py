@@ -59,7 +59,8 @@ class _Msg(msgspec.Struct, frozen=True, tag_field="k", forbid_unknown_fields=Tru
 
 class Registration(_Msg, frozen=True, tag="reg"):
     """D -> P: D's blocks for a request (push: write here; pull: I am about to read). Push: P
-    must not post a WRITE at or after `deadline` (D's clock), so D can bound its fence.
+    must not post a WRITE at or after `deadline` (D's clock; P converts it with the offset its
+    handshake with D measured), so D can bound its fence.
     `contact` is where D's side channel listens ("host:port", "" if P knows already): P
     handshakes back with D there before it writes (push) or grants (pull)."""
 
@@ -71,7 +72,8 @@ class Registration(_Msg, frozen=True, tag="reg"):
 
 class Grant(_Msg, frozen=True, tag="grant"):
     """P -> D (pull): read these P blocks now. D must not post a READ it could not finish (cancel)
-    before `deadline` (P's clock): P may release the blocks after it."""
+    before `deadline` (P's clock, converted by D with its handshake's offset): P may release the
+    blocks after it."""
 
     block_ids: bytes
     deadline: float

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -30,7 +31,7 @@ from kvfsm.sidechannel import (
     decode_reply,
     decode_request,
     encode,
-    fetch_payload,
+    fetch_peer,
     validate,
 )
 
@@ -74,7 +75,7 @@ def listener() -> Iterator[HandshakeListener]:
 def _fetch(port: int, agent: str = "prefill#0", **kw: object) -> HandshakePayload:
     args: dict[str, object] = {"compat_hash": HASH, "wire_version": WIRE, "timeout_s": SAFETY_S}
     args.update(kw)
-    return fetch_payload(HOST, port, agent, **args)  # type: ignore[arg-type]
+    return fetch_peer(HOST, port, agent, **args)[0]  # type: ignore[arg-type]
 
 
 def _free_port() -> int:
@@ -127,7 +128,7 @@ def _raw_server(reply: bytes) -> Iterator[int]:
 def test_codec_round_trips_and_rejects_garbage() -> None:
     request = HandshakeRequest("prefill#0", WIRE, HASH)
     assert decode_request(encode(request)) == request
-    for reply in (HandshakeAccepted(_payload()), HandshakeRefused("no")):
+    for reply in (HandshakeAccepted(_payload(), 1.0, 1.5), HandshakeRefused("no")):
         assert decode_reply(encode(reply)) == reply
     with pytest.raises(SidechannelError, match="not a kvfsm handshake frame"):
         decode_request(b"GET / HTTP/1.1")
@@ -207,7 +208,7 @@ def test_wire_version_mismatch_is_refused(listener: HandshakeListener) -> None:
 def test_client_checks_what_a_faulty_listener_sends(served: HandshakePayload, match: str) -> None:
     # A listener that ignores the request and skips its own checks: the client must catch it.
     with (
-        _raw_server(encode(HandshakeAccepted(served))) as port,
+        _raw_server(encode(HandshakeAccepted(served, 1.0, 1.5))) as port,
         pytest.raises(HandshakeError, match=match),
     ):
         _fetch(port)
@@ -216,7 +217,7 @@ def test_client_checks_what_a_faulty_listener_sends(served: HandshakePayload, ma
 def test_client_checks_the_hash_of_the_payload() -> None:
     served = _payload(compat_hash="cd" * 32)
     with (
-        _raw_server(encode(HandshakeAccepted(served))) as port,
+        _raw_server(encode(HandshakeAccepted(served, 1.0, 1.5))) as port,
         pytest.raises(HandshakeError, match="compat hash mismatch") as info,
     ):
         _fetch(port)
@@ -328,6 +329,28 @@ def _info(payload: HandshakePayload) -> PeerInfo:
     return PeerInfo(payload.agent, payload.agent_metadata, payload.layout())
 
 
+def _sans_clock(result: PeerInfo | HandshakeError) -> PeerInfo | HandshakeError:
+    if isinstance(result, HandshakeError):
+        return result
+    return msgspec.structs.replace(result, clock_offset=0.0, clock_error=0.0)
+
+
+@pytest.mark.parametrize("skew", [0.0, 3e5, -1234.5])
+def test_directory_measures_the_peer_clock_offset(skew: float) -> None:
+    """A listener on a host whose monotonic clock started elsewhere: the handshake learns the
+    offset, within an error bound that contains the truth."""
+    ours = time.monotonic
+    with (
+        HandshakeListener(PAYLOADS.get, clock=lambda: ours() + skew) as skewed,
+        ZmqDirectory({}, compat_hash=HASH, wire_version=WIRE, clock=ours) as directory,
+    ):
+        directory.start("prefill#0", f"{HOST}:{skewed.port}")
+        got = _collect(directory, 1)["prefill#0"]
+    assert isinstance(got, PeerInfo)
+    assert got.clock_error > 0
+    assert abs(got.clock_offset - skew) <= got.clock_error + 1e-6
+
+
 def test_directory_reports_successes_and_failures(listener: HandshakeListener) -> None:
     dead = _free_port()
     addresses = {
@@ -343,8 +366,8 @@ def test_directory_reports_successes_and_failures(listener: HandshakeListener) -
             directory.start(peer)
         got = _collect(directory, 5)
         assert directory.pending == 0 and directory.results() == []
-    assert got["prefill#0"] == _info(PAYLOADS["prefill#0"])
-    assert got["prefill#1"] == _info(PAYLOADS["prefill#1"])
+    assert _sans_clock(got["prefill#0"]) == _info(PAYLOADS["prefill#0"])
+    assert _sans_clock(got["prefill#1"]) == _info(PAYLOADS["prefill#1"])
     expected = {"decode#0": "no agent", "gone#0": "no answer", "unmapped#0": "no side-channel"}
     for peer, text in expected.items():
         result = got[peer]
@@ -357,7 +380,7 @@ def test_directory_handshakes_at_a_contact_it_is_given(listener: HandshakeListen
         directory.start("prefill#1", f"{HOST}:{listener.port}")
         directory.start("prefill#0", "not-an-address")
         got = _collect(directory, 2)
-    assert got["prefill#1"] == _info(PAYLOADS["prefill#1"])
+    assert _sans_clock(got["prefill#1"]) == _info(PAYLOADS["prefill#1"])
     assert "no side-channel address for 'prefill#0'" in str(got["prefill#0"])
 
 
@@ -405,7 +428,7 @@ def test_directory_runs_many_handshakes(listener: HandshakeListener) -> None:
         while len(results) < 50:
             assert directory.wait(SAFETY_S)
             results += directory.results()
-    assert all(info == _info(PAYLOADS[peer]) for peer, info in results)
+    assert all(_sans_clock(info) == _info(PAYLOADS[peer]) for peer, info in results)
 
 
 # --- validate ------------------------------------------------------------------------------------
