@@ -42,6 +42,9 @@ class CoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """D holds blocks of a request it gave up on this long at most, waiting for P's acknowledgement."""
     heartbeat_s: float = 5.0
     """D tells P it still waits this often (must be well under `lease_s`)."""
+    peer_idle_ttl_s: float = 600.0
+    """A connected peer no live request used for this long (up to 1.5x: swept every half TTL) is
+    evicted: its NIXL agent and prepared lists released; the next request handshakes again."""
     pending_registration_ttl_s: float = 30.0
     """P keeps a registration for a request it does not know yet this long."""
     max_pending_registrations: int = 65536
@@ -55,7 +58,11 @@ class CoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         checks = [
             (self.producer_stall_s > self.stall_s, "producer_stall_s must exceed stall_s"),
             (self.heartbeat_s < self.lease_s, "heartbeat_s must be below lease_s"),
-            (min(self.lease_s, self.watchdog_s, self.stall_s, self.fence_s) > 0, "bounds > 0"),
+            (
+                min(self.lease_s, self.watchdog_s, self.stall_s, self.fence_s, self.peer_idle_ttl_s)
+                > 0,
+                "bounds > 0",
+            ),
             (self.max_pending_registrations > 0 and self.tombstones > 0, "sizes must be > 0"),
         ]
         problems = [msg for ok, msg in checks if not ok]

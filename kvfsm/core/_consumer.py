@@ -107,7 +107,7 @@ class Consumer(Side):
     def next_wakeup(self) -> float | None:
         """When the next deadline or heartbeat falls (O(1): with requests live, the next
         heartbeat time counts even if none of them is in a state that sends one)."""
-        at = self.deadlines.next_at()
+        at = super().next_wakeup()
         if self.requests:
             return self._next_heartbeat if at is None else min(at, self._next_heartbeat)
         return at

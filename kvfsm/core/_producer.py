@@ -96,10 +96,8 @@ class Producer(Side):
         self._req.fire(req, "prefill_finished", self._now)
 
     def next_wakeup(self) -> float | None:
-        """When the next deadline or unmatched-registration expiry falls."""
-        times = [
-            t for t in (self.deadlines.next_at(), self._pending.next_expiry()) if t is not None
-        ]
+        """When the next deadline, peer sweep or unmatched-registration expiry falls."""
+        times = [t for t in (super().next_wakeup(), self._pending.next_expiry()) if t is not None]
         return min(times, default=None)
 
     def _on_p_tick(self, event: Tick) -> None:

@@ -86,7 +86,8 @@ class Peer(msgspec.Struct, gc=False):
     outbox: list[bytes] = msgspec.field(default_factory=list)
     contact: str = ""  # where its side channel listens, once learned
     clock_offset: float = 0.0  # its clock minus ours, from the last handshake
-    clock_error: float = 0.0  # how far off that offset may be (half the handshake's round trip)
+    clock_error: float = 0.0  # how far off that offset may be (half the handshake's transit)
+    idle_since: float = 0.0  # when a sweep last saw a live request use it
 
 
 class Side:
@@ -129,6 +130,7 @@ class Side:
         }
         self._messages: dict[type, Callable[[Any, str], None]] = {}
         self.shut_down = False
+        self._next_peer_sweep: float | None = None  # while a peer is connected
 
     # --- the interface ------------------------------------------------------------------------
 
@@ -152,7 +154,9 @@ class Side:
 
     def next_wakeup(self) -> float | None:
         """When the side next needs a `Tick` (its next deadline), for an event loop's timeout."""
-        return self.deadlines.next_at()
+        at = self.deadlines.next_at()
+        sweep = self._next_peer_sweep
+        return sweep if at is None else at if sweep is None else min(at, sweep)
 
     # --- common event handlers ------------------------------------------------------------------
 
@@ -170,6 +174,24 @@ class Side:
             if req is not None:
                 self._req.fire(req, event, self._now)
                 self._runq.drain(self._now, self._alive_fn)
+        if self._next_peer_sweep is not None and self._now >= self._next_peer_sweep:
+            self._sweep_peers()
+
+    def _sweep_peers(self) -> None:
+        """Evict the connected peers no live request used for the idle TTL (the number of peers
+        is the number of remote ranks: a scan of them and the live requests is cheap every half
+        TTL)."""
+        used = {agent for req in self.requests.values() for agent in req.peers}
+        ttl = self.config.peer_idle_ttl_s
+        for peer in list(self.peers.values()):
+            if peer.state != "connected":
+                continue
+            if peer.id in used:
+                peer.idle_since = self._now
+            elif self._now - peer.idle_since >= ttl:
+                self._peer.fire(peer, "idle_expired", self._now)
+        connected = any(p.state == "connected" for p in self.peers.values())
+        self._next_peer_sweep = self._now + ttl / 2 if connected else None
 
     def _on_shutdown(self, _event: Shutdown) -> None:
         self.shut_down = True
@@ -186,6 +208,9 @@ class Side:
         peer = self.peers.get(event.peer)
         if peer is not None:
             peer.clock_offset, peer.clock_error = event.clock_offset, event.clock_error
+            peer.idle_since = self._now
+            if self._next_peer_sweep is None:
+                self._next_peer_sweep = self._now + self.config.peer_idle_ttl_s / 2
         self._peer_event(event.peer, "handshake_done")
 
     def _local_time(self, agent: str, peer_time: float) -> float:

@@ -63,6 +63,7 @@ FAST_CONFIG = CoreConfig(
     fence_s=3.0,
     heartbeat_s=0.5,
     pending_registration_ttl_s=2.0,
+    peer_idle_ttl_s=3.0,
 )
 """Short bounds so a simulated run reaches every deadline in a few simulated seconds."""
 
@@ -253,6 +254,13 @@ class SimCluster:
                 self._fill(engine, pr)
             engine.submit(PrefillFinished(pr.p_id, blocks))
         self.collect()
+
+    def serve(self, key: str, n_blocks: int) -> dict[str, str]:
+        """Admit a request, finish its prefill, settle; its final state on every rank."""
+        self.admit(key, n_blocks)
+        self.finish_prefill(key)
+        self.settle()
+        return self.requests[key].final
 
     def abort(self, key: str, side: str) -> None:
         """The serving engine of `side` aborts `key`."""

@@ -4,11 +4,12 @@ measures, taken on the early side."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from kvfsm.core import Mode, Side
 from kvfsm.runtime import clock_offset
-from kvfsm.testing import SimCluster
+from kvfsm.testing import FAST_CONFIG, SimCluster
 
 SKEWS = [{"P": 3e5}, {"D": 3e5}, {"P": -50.0}, {"D": -7.5}]
 
@@ -60,7 +61,8 @@ def test_offset_estimate_brackets_the_truth() -> None:
 def test_a_handshake_held_long_by_the_peer_keeps_the_offset_precise() -> None:
     """A listener that answers after 60 s: the offset is still known to the transport's
     latency, so later grants and registrations keep their full margin."""
-    c = SimCluster("pull", clock_skew={"P": 500.0}, handshake_latency=0.01)
+    config = msgspec.structs.replace(FAST_CONFIG, peer_idle_ttl_s=600.0)  # no idle eviction
+    c = SimCluster("pull", clock_skew={"P": 500.0}, handshake_latency=0.01, config=config)
     c.directory.hang_next("P#0", seconds=60.0)
     c.admit("r0", 2)
     c.finish_prefill("r0")

@@ -1,0 +1,33 @@
+"""Over real NIXL: an idle peer's remote agent is unloaded after the TTL, and the next request
+loads it again."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from kvfsm.testing import FAST_CONFIG, SimCluster
+
+_CONFIG = msgspec.structs.replace(FAST_CONFIG, peer_idle_ttl_s=0.2)
+_BOUND_S = 20.0  # a safety bound on the wait, not a timing assertion
+
+
+def _remotes(c: SimCluster) -> list[int]:
+    return [e.fabric.open_resources()["remote_agents"] for e in c.live_engines()]
+
+
+def test_idle_remote_agents_are_unloaded_and_reloaded() -> None:
+    c = SimCluster("pull", config=_CONFIG, fabric="nixl")
+    try:
+        assert c.serve("r1", 2) == {"P#0": "done", "D#0": "done"}
+        assert _remotes(c) == [1, 1]
+        end = time.monotonic() + _BOUND_S
+        while _remotes(c) != [0, 0] and time.monotonic() < end:
+            c.step(0.0)
+        assert _remotes(c) == [0, 0]
+        assert c.serve("r2", 2) == {"P#0": "done", "D#0": "done"}
+        assert _remotes(c) == [1, 1]
+        assert c.ledger.quiescence() == []
+    finally:
+        c.close()
