@@ -317,6 +317,7 @@ class Producer(Side):
         # D's ranks give up together: one rank's cancel withdraws every rank's registration.
         for link in req.links.values():
             self._by_consumer.pop((link.agent, link.request_id), None)
+        self._stop_waiting(req)  # else P's connection to D, once up, wakes a request in `leased`
         req.links, req.peers = {}, ()
         req.tally = TransferTally(req.id, 1)
         self._wait(req)

@@ -329,12 +329,16 @@ class Side:
         del self.requests[req.id]
         self.deadlines.disarm(req.id)
         self.tombstones.add(req.id, req.state)
+        self._stop_waiting(req)
+        self._forget(req)
+        self._emit(Finished(req.id, req.state, req.history or ()))
+
+    def _stop_waiting(self, req: Request) -> None:
+        """The request no longer waits for its peers' connections (it ended, or forgot them)."""
         for agent in req.peers:
             peer = self.peers.get(agent)
             if peer is not None:
                 peer.waiters.pop(req.id, None)
-        self._forget(req)
-        self._emit(Finished(req.id, req.state, req.history or ()))
 
     def _forget(self, req: Request) -> None:
         """Drop the side's indexes of a request that ended."""

@@ -85,6 +85,8 @@ def run_scenario(scenario: Scenario, fabric: Literal["sim", "nixl"] = "sim") -> 
     try:
         run.timeline()
         run.finish()
+    except Exception as exc:  # a core that raises (its own protocol error) is a finding too
+        run.crash = f"the run raised {type(exc).__name__}: {exc}"
     finally:
         run.cluster.close()
     return run.report()
@@ -110,6 +112,7 @@ class _Run:
         self.finished: dict[tuple[str, str], Finished] = {}
         self.cluster.on_finished = lambda agent, out: self._on_finished(agent, out)
         self.unmet: list[str] = []
+        self.crash = ""
         self.start = self.cluster.now
 
     def _on_finished(self, agent: str, out: Finished) -> None:
@@ -247,6 +250,7 @@ class _Run:
     def report(self) -> ScenarioReport:
         c = self.cluster
         found = c.ledger.quiescence() + (c.conformance.violations if c.conformance else [])
+        found += [self.crash] if self.crash else []
         counters = {
             agent: {kind: n for kind, n in sorted(engine.side.counters.items()) if n}
             for agent, engine in c.engines.items()

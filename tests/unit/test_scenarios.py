@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvfsm.cli import main
-from kvfsm.core import Consumer, ReportReceived
+from kvfsm.core import Consumer, ReportReceived, Side
 from kvfsm.core._side import Request
 from kvfsm.testing import ScenarioError, load_scenario, run_scenario
 from kvfsm.testing._scenario_file import MAX_SCENARIO_BYTES
@@ -149,3 +149,12 @@ def test_unreadable_and_oversized_files(tmp_path: Path) -> None:
 def test_sim_only_scenario_refused_on_nixl(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["scenario", "--fabric", "nixl", str(LIBRARY / "write_fails_to_post.toml")]) == 2
     assert "declares fabrics ['sim']" in capsys.readouterr().err
+
+
+def test_a_core_that_raises_is_reported_not_a_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The soak's finding of 2026-11-23, undone: a withdrawn request left waiting on its peer."""
+    monkeypatch.setattr(Side, "_stop_waiting", lambda self, req: None)
+    report = run_scenario(load_scenario(LIBRARY / "d_withdraws_while_p_connects_back.toml"))
+    assert not report.passed
+    assert any("raised InternalProtocolError" in v for v in report.violations), report.violations
+    assert report.requests["r1"].trace  # what led there is still reported
