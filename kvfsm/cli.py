@@ -100,6 +100,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     diagrams.add_argument("--out", type=Path, default=_DIAGRAMS)
     diagrams.add_argument("--check", action="store_true", help="fail if they are stale")
 
+    check = commands.add_parser(
+        "check", help="explore every interleaving of requests and faults on the simulated fabric"
+    )
+    check.add_argument("--mode", choices=["push", "pull", "both"], default="both")
+    check.add_argument("--faults", type=int, default=2, help="injected faults per path at most")
+    check.add_argument("--requests", type=int, choices=[1, 2], default=2)
+    check.add_argument(
+        "--depth", type=int, default=None, help="actions per path at most (default: 8, CI's bound)"
+    )
+    check.add_argument("--json", action="store_true", help="print one JSON object")
+
     args = parser.parse_args(argv)
     if args.command == "demo":
         return _demo(args)
@@ -107,6 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bench(args)
     if args.command == "scenario":
         return _scenario(args)
+    if args.command == "check":
+        return _check(args)
     return _diagrams(args)
 
 
@@ -214,6 +227,47 @@ def _diagrams(args: argparse.Namespace) -> int:
     for path in write_diagrams(args.out):
         print(path)
     return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from kvfsm._render import figures_table, progress_bar
+    from kvfsm.core import Mode
+    from kvfsm.testing import MAX_DEPTH, run_check
+
+    depth = MAX_DEPTH if args.depth is None else args.depth
+    if args.faults < 0 or depth < 1:
+        print("kvfsm check: --faults must be >= 0 and --depth >= 1", file=sys.stderr)
+        return 2
+    modes: list[Mode] = ["push", "pull"] if args.mode == "both" else [args.mode]
+    with progress_bar(depth * len(modes), enabled=not args.json, label="depth levels") as advance:
+        reports = [
+            run_check(m, max_faults=args.faults, requests=args.requests, max_depth=depth,
+                      progress=advance)
+            for m in modes
+        ]  # fmt: skip
+    found = [{"mode": r.mode, **msgspec.to_builtins(v)} for r in reports for v in r.violations]
+    if args.json:
+        total = {
+            "states_explored": sum(r.states_explored for r in reports),
+            "transitions": sum(r.transitions for r in reports),
+            "violations": found,
+            "modes": {r.mode: msgspec.to_builtins(r) for r in reports},
+        }
+        print(json.dumps(total, sort_keys=True))
+        return 1 if found else 0
+    for r in reports:
+        figures = {k: v for k, v in msgspec.to_builtins(r).items() if k != "violations"}
+        figures_table(f"kvfsm check: {r.mode}", {**figures, "violations": len(r.violations)})
+    console = Console()
+    for v in found:
+        console.print(
+            f"violation ({v['mode']}): {'; '.join(v['problems'])}", style="red", markup=False
+        )
+        for i, step in enumerate(v["trace"], 1):
+            console.print(f"  {i:2}. {step}", markup=False)
+    return 1 if found else 0
 
 
 if __name__ == "__main__":  # pragma: no cover

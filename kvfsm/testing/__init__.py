@@ -1,7 +1,9 @@
 """Public test tools: a simulated P/D cluster with the safety properties checked, the hypothesis
-state machine over it, scenario files replayed on it, the transition coverage report, and
-recognisable KV contents checkable on any rank of any geometry."""
+state machine over it, the bounded exhaustive check over it (`kvfsm check`), scenario files
+replayed on it, the transition coverage report, and recognisable KV contents checkable on any
+rank of any geometry."""
 
+from kvfsm.testing._check import MAX_DEPTH, CheckReport, CheckViolation, run_check
 from kvfsm.testing._cluster import (
     FAST_CONFIG,
     SIM_GEOMETRY,
@@ -19,9 +21,12 @@ from kvfsm.testing._tour import SCENARIOS, run_tour
 __all__ = [
     "COVERAGE",
     "FAST_CONFIG",
+    "MAX_DEPTH",
     "SCENARIOS",
     "SIM_GEOMETRY",
     "SIM_MLA_GEOMETRY",
+    "CheckReport",
+    "CheckViolation",
     "Conformance",
     "Ledger",
     "LifecycleMachine",
@@ -35,6 +40,7 @@ __all__ = [
     "load_scenario",
     "machine_for",
     "request_seed",
+    "run_check",
     "run_scenario",
     "run_tour",
     "untaken_transitions",

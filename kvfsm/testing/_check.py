@@ -1,0 +1,524 @@
+"""`kvfsm check`: a bounded exhaustive exploration of the core on the simulated fabric.
+
+1 P and 1 D engine (TP 1) on a `SimCluster`, `requests` requests (r1 of 2 blocks, r2 of 1: the
+core sees a block count only as "none or some"), at most `max_faults` faults and `max_depth`
+actions per path. At every state each enabled action is tried: admit the next request, P or D
+first (r2 after r1: they are interchangeable); finish a prefill; abort on P or on D (once per side,
+while it holds the request); advance the clock to the next due thing (a notification or transfer
+completion, a deadline, heartbeat or sweep, a handshake: time is discrete, engines poll the
+instant something is due); or a fault: drop, duplicate or delay (`DELAY_S`) a notification in
+flight, make a transfer in flight end ERR or hang, fail the poster's next post, fail a handshake
+under way, kill or silence an agent. A fault hits one pending event, so each can be the one.
+
+Search: breadth first, stateless with replay: a state is its action sequence, replayed on a fresh
+deterministic cluster (deep copies are unsafe: engines hold closures over their cluster). Every
+replay is checked (ledger, conformance); a path ends when nothing is enabled or at `max_depth`,
+and then gets the stateful suite's end-of-run checks (every prefill finished, time run until
+quiet, quiescence, shut down, again). The first trace of each distinct problem is a shortest one.
+
+States are deduplicated by a fingerprint: per engine its requests by key (state, flags, tally,
+links), deadlines, peers, transfers, handshakes, routes, tombstones, unmatched registrations; the
+pending events in delivery order (messages decoded, ids as keys, block lists as lengths); the
+ledger's books; faults used; aborts spent. Times are relative to now (those older than every
+bound are one value). Left out, as they steer nothing: random ids and blocks, random generators,
+counters, and how a settled request (no engine holds it, no pending event names it) ended.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import time
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import msgspec
+
+from kvfsm.core import Mode, Step
+from kvfsm.fabric import FabricError, SimFaults
+from kvfsm.lifecycle import MODEL_NAMES, load
+from kvfsm.testing._cluster import FAST_CONFIG, SimCluster
+from kvfsm.wire import WireError, decode
+
+__all__ = ["DELAY_S", "MAX_DEPTH", "CheckReport", "CheckViolation", "run_check"]
+
+MAX_DEPTH = 8
+"""Actions per path at most (a path cut here still gets the end-of-run checks): the deepest
+bound at which both modes, 2 requests and 2 faults, fit in CI's minutes (docs/testing.md)."""
+DELAY_S = 2.5
+"""The delay fault: past the stall bound, the lease, the watchdog and P's stall bound."""
+_FABRIC = SimFaults(transfer_latency=0.25)
+_BLOCKS = (2, 1)  # P blocks of r1, r2
+_AGENTS = ("P#0", "D#0")
+_C = FAST_CONFIG
+_SETTLE_S = 4 * (_C.lease_s + _C.watchdog_s + _C.producer_stall_s + _C.fence_s)
+_HORIZON = max(v for v in msgspec.structs.asdict(_C).values() if type(v) is float)
+_PAST = -1e9  # any time longer ago than the longest bound
+_END = "end of run: finish every prefill, let time run, shut down"
+
+Action = tuple[str, ...]
+Path = tuple[Action, ...]
+
+
+class CheckViolation(msgspec.Struct):
+    """A safety problem and a shortest action sequence that reaches it."""
+
+    trace: list[str]
+    problems: list[str]
+
+
+class CheckReport(msgspec.Struct):
+    """What one exploration covered and found."""
+
+    mode: str
+    max_faults: int
+    requests: int
+    depth_bound: int
+    states_explored: int = 0
+    transitions: int = 0
+    paths: int = 0  # paths ended (nothing enabled, or the depth bound) and checked at their end
+    paths_cut: int = 0  # of which the depth bound ended
+    max_depth: int = 0
+    elapsed_s: float = 0.0
+    violating_transitions: int = 0
+    model_transitions_taken: int = 0  # distinct (lifecycle, source, event, dest) of models/
+    model_transitions: int = 0  # in the models this mode runs
+    violations: list[CheckViolation] = msgspec.field(default_factory=list)
+
+
+class _Run:
+    """One path replayed on a fresh cluster."""
+
+    def __init__(self, mode: Mode, answers: dict[Any, Any], taken: set[Any]) -> None:
+        self.cluster = c = SimCluster(mode, faults=_FABRIC, config=_C, num_blocks=8, trace=False)
+        if (conformance := c.conformance) is not None:
+            conformance._answers = answers  # what `transitions` answers is the same for all runs
+
+            def record(step: Step) -> None:
+                taken.add((step.lifecycle, step.source, step.event, step.dest))
+                conformance.record(step)
+
+            for engine in c.engines.values():
+                engine.side.set_recorder(record)
+        self.poster = "P#0" if mode == "push" else "D#0"
+        self.faults = 0
+        self.spent: set[Action] = set()
+        self.labels: list[str] = []
+        self.labelled = False
+
+    def apply(self, action: Action) -> None:
+        """Run one action and record a readable label of it."""
+        c, kind = self.cluster, action[0]
+        label = " ".join(action)
+        if kind == "admit":
+            c.admit(action[1], _BLOCKS[int(action[1][1:]) - 1], d_first=action[2] == "D")
+            label = f"admit {action[1]} ({action[2]} first)"
+        elif kind == "prefill":
+            c.finish_prefill(action[1])
+        elif kind == "abort":
+            c.abort(action[1], action[2])
+            label = f"abort {action[1]} on {action[2]}"
+            self.spent.add(action)
+        elif kind == "advance":
+            label = _advance(c, self.labelled)
+        else:
+            self.faults += 1
+            label = _inject(c, action)
+        self.labels.append(label)
+
+    def enabled(self, max_faults: int, requests: int) -> list[Action]:
+        """Every action worth trying here (none: the path is over)."""
+        c = self.cluster
+        pending = [f"r{i + 1}" for i in range(requests) if f"r{i + 1}" not in c.requests]
+        acts: list[Action] = [("admit", pending[0], s) for s in ("P", "D")] if pending else []
+        for key, pr in sorted(c.requests.items()):
+            if not pr.finished_prefill and _holds(c, "P#0", pr.p_id):
+                acts.append(("prefill", key))
+            for side, agent, rid in (("P", "P#0", pr.p_id), ("D", "D#0", pr.d_id)):
+                if ("abort", key, side) not in self.spent and _holds(c, agent, rid):
+                    acts.append(("abort", key, side))
+        if _next_due(c) is not None:
+            acts.append(("advance",))
+        if self.faults < max_faults and (pending or not c.quiet()):
+            acts += self._faults()
+        return acts
+
+    def _faults(self) -> list[Action]:
+        c, net = self.cluster, self.cluster.network
+        acts: list[Action] = []
+        for _, seq, ev in _events(c):
+            if hasattr(ev, "msg"):
+                acts += [("drop", str(seq)), ("duplicate", str(seq)), ("delay", str(seq))]
+            elif _flight(c, ev) is not None:
+                acts += [("err", str(seq)), ("stuck", str(seq))]
+        armed = getattr(net, "_dice")._posts.get(self.poster)  # noqa: B009
+        if self.poster not in c.dead and not armed and _may_post(c, self.poster):
+            acts.append(("fail_post", self.poster))
+        for agent in (a for a in _AGENTS if a not in c.dead):
+            acts += [("kill", agent, "reset"), ("kill", agent, "cut")]
+            shaking = any(e[1] == agent for x in c.live_engines() for e in _handshakes(x))
+            if shaking and not c.directory._failures[agent]:
+                acts.append(("handshake", agent))
+        return acts
+
+
+def _advance(c: SimCluster, labelled: bool = False) -> str:
+    """Move the clock to the next due thing and let every engine poll; returns a label (if
+    `labelled`: replays for the search need none)."""
+    due = _next_due(c)
+    assert due is not None
+    due = max(due, c.now)
+    events = _events(c)
+    if not labelled:
+        what = ""
+    elif events and events[0][0] == due:
+        what = _describe(c, events[0][2], due)
+    else:
+        shakes = [f"{e.agent}'s handshake with {h[1]}" for e in c.live_engines()
+                  for h in _handshakes(e) if h[0] == due]  # fmt: skip
+        woken = [e.agent for e in c.live_engines() if e.next_wakeup() == due]
+        what = ", ".join(shakes) or f"a wakeup of {' and '.join(woken)}"
+    label = f"advance {due - c.now:.4f} s to t={due:.4f}: {what}"
+    c.network.advance_to(due)
+    c.step(0.0)
+    return label
+
+
+def _inject(c: SimCluster, action: Action) -> str:
+    """Inject one fault, at once; returns its label."""
+    kind, net = action[0], c.network
+    if kind == "fail_post":
+        net.inject_next_post(action[1], "fail_post")
+        return f"fault: the next post of {action[1]} fails"
+    if kind == "kill":
+        c.kill(action[1], reset=action[2] == "reset")
+        return f"fault: {'kill' if action[2] == 'reset' else 'silence'} {action[1]}"
+    if kind == "handshake":
+        c.directory.fail_next(action[1])
+        return f"fault: the handshake under way with {action[1]} fails"
+    heap: list[Any] = getattr(net, "_events")  # noqa: B009
+    entry = next(e for e in heap if e[1] == int(action[1]))
+    when, _, ev = entry
+    label = f"fault: {kind} {_describe(c, ev, when)}"
+    if kind in ("drop", "delay", "stuck"):
+        heap.remove(entry)
+        heapq.heapify(heap)
+    if kind == "delay":
+        net._schedule(when + DELAY_S, ev)
+        label += f" by {DELAY_S} s"
+    elif kind == "duplicate":
+        net._schedule(when, dataclasses.replace(ev))
+    elif kind == "err":
+        ev.fail_rows = 0  # it ends ERR when due, having copied nothing
+    return label
+
+
+def _events(c: SimCluster) -> list[tuple[float, int, Any]]:
+    """The network's pending notifications and transfer completions, in delivery order."""
+    return sorted(getattr(c.network, "_events"), key=lambda e: (e[0], e[1]))  # noqa: B009
+
+
+def _agent_of(c: SimCluster, gen: int) -> str:
+    return str(getattr(c.network, "_incarnations")[gen].agent_name)  # noqa: B009
+
+
+def _flight(c: SimCluster, ev: Any) -> Any:
+    """The live transfer a pending completion belongs to, if any."""
+    agent = _agent_of(c, ev.gen)
+    flights = () if agent in c.dead else c.engines[agent].inflight.values()
+    return next((f for f in flights if f.handle == ev.handle), None)
+
+
+def _describe(c: SimCluster, ev: Any, when: float) -> str:
+    n = _Namer(c)
+    if not hasattr(ev, "msg"):
+        flight = _flight(c, ev)
+        what = "a stale transfer" if flight is None else f"the {flight.op} of {flight.request_id}"
+        return f"{n.id(what)} (due t={when:.4f})"
+    msg = _message_print(ev.msg, n)
+    to = _agent_of(c, ev.receiver_gen)
+    return f"{msg[0]} of {msg[1] or msg[2]} {ev.sender} -> {to} (due t={when:.4f})"
+
+
+def _may_post(c: SimCluster, agent: str) -> bool:
+    """Whether some request `agent` holds has not posted its transfer yet."""
+    return any(
+        not r.links or any(not link.transfer_id for link in r.links.values())
+        for r in c.engines[agent].side.requests.values()
+    )
+
+
+def _holds(c: SimCluster, agent: str, request_id: str) -> bool:
+    return agent not in c.dead and request_id in c.engines[agent].side.requests
+
+
+def _handshakes(engine: Any) -> list[tuple[Any, ...]]:
+    """The handshakes an engine's `DirectoryView` has under way: (due time, peer, ...)."""
+    return list(getattr(engine.directory, "_started", ()))
+
+
+def _next_due(c: SimCluster) -> float | None:
+    """When something next happens on its own: a network event, a wakeup, a handshake."""
+    times = [c.network.next_event_time()]
+    for engine in c.live_engines():
+        times.append(engine.next_wakeup())
+        times += [entry[0] for entry in _handshakes(engine)]
+    return min((t for t in times if t is not None), default=None)
+
+
+def _end_of_run(c: SimCluster) -> list[str]:
+    """The stateful suite's teardown: every prefill finished, time run, shut down, all checked."""
+    for key in sorted(c.requests):
+        c.finish_prefill(key)
+    end = c.now + _SETTLE_S
+    while not c.quiet() and (due := _next_due(c)) is not None and due <= end:
+        _advance(c)
+    problems = c.ledger.quiescence() + _conformance(c)
+    if not problems:
+        c.shutdown()
+        problems = c.ledger.quiescence() + _conformance(c)
+    return problems
+
+
+def _conformance(c: SimCluster) -> list[str]:
+    return list(c.conformance.violations) if c.conformance is not None else []
+
+
+# --- the fingerprint ---------------------------------------------------------------------------
+
+
+class _Namer:
+    """Random request ids to stable names, times relative to now, and settled requests."""
+
+    def __init__(self, c: SimCluster) -> None:
+        self.now = c.now
+        self.ids = {pr.p_id: f"{k}@P" for k, pr in c.requests.items()}
+        self.ids.update({pr.d_id: f"{k}@D" for k, pr in c.requests.items() if pr.d_id != pr.p_id})
+        self.settled: frozenset[str] = frozenset()
+
+    def id(self, text: str) -> str:
+        """`text` with every request id replaced by its name."""
+        for rid, name in self.ids.items():
+            text = text.replace(rid, name)
+        return text
+
+    def keep(self, text: str) -> bool:
+        """Whether `text` (ids named) mentions no settled request."""
+        return not any(f"{key}@" in text for key in self.settled)
+
+    def t(self, at: float | None) -> float | None:
+        """`at` relative to now, rounded; times older than every bound collapse."""
+        if at is None:
+            return None
+        return _PAST if at - self.now < -_HORIZON else round(at - self.now, 6)
+
+
+def _fingerprint(run: _Run) -> Hashable:
+    c = run.cluster
+    n = _Namer(c)
+    network = _network_print(c, n)
+    held = [repr(network)]
+    for e in c.live_engines():
+        held += [*e.side.requests, *(f.request_id for f in e.inflight.values())]
+        held += [rid for _, rid in getattr(getattr(e.side, "_pending", None), "_entries", ())]
+    text = n.id(" ".join(held))
+    n.settled = frozenset(k for k in c.requests if f"{k}@" not in text)
+    engines = tuple(_engine_print(c, agent, n) for agent in sorted(c.engines))
+    spent = frozenset(a for a in run.spent if n.keep(f"{a[1]}@"))
+    return (engines, network, _ledger_print(c, n), run.faults, spent)
+
+
+def _engine_print(c: SimCluster, agent: str, n: _Namer) -> Hashable:
+    if agent in c.dead:
+        return (agent, "dead")
+    engine = c.engines[agent]
+    side: Any = engine.side
+    deadlines = sorted(
+        (n.id(k), w.event, n.t(w.entries[k])) if hasattr(w, "event") else (n.id(k), w[2], n.t(w[0]))
+        for k, w in side.deadlines._where.items()
+    )
+    peers = sorted(
+        (p.id, p.state, len(p.outbox), tuple(map(n.id, p.waiters)), n.t(getattr(p, "idle_since", None)),
+         round(getattr(p, "clock_offset", 0.0), 9), round(getattr(p, "clock_error", 0.0), 9))
+        for p in side.peers.values()
+    )  # fmt: skip
+    flights = sorted((n.id(f.request_id), f.op, f.peer, _xfer_state(engine, f.handle))
+                     for f in engine.inflight.values())  # fmt: skip
+    ended = [(n.id(k), v) for k, v in side.tombstones._ended.items() if n.keep(n.id(k))]
+    if side.side == "P":
+        extra: Any = (
+            sorted((s, n.id(r), n.t(e.expires)) for (s, r), e in side._pending._entries.items()),
+            sorted((n.id(k), n.id(v)) for k, v in side._consumed._ended.items() if n.keep(n.id(k))),
+            sorted(k for k in side._ended_bases._ended if n.keep(f"{k}@")),
+        )  # fmt: skip
+    else:
+        extra = n.t(side._next_heartbeat)
+    return repr((
+        agent, sorted(_request_print(r, n) for r in side.requests.values()), deadlines, peers,
+        flights, sorted((n.t(e[0]), e[1]) for e in _handshakes(engine)), sorted(ended),
+        sorted(engine._routes), side.shut_down, extra, n.t(getattr(side, "_next_peer_sweep", None)),
+    ))  # fmt: skip
+
+
+def _xfer_state(engine: Any, handle: int) -> str:
+    try:
+        return str(engine.fabric.check_xfer_state(handle))
+    except FabricError as exc:
+        return type(exc).__name__
+
+
+def _request_print(r: Any, n: _Namer) -> tuple[Any, ...]:
+    tally = r.tally
+    links = [
+        (a, n.id(link.request_id), bool(link.transfer_id), getattr(link, "granted", None),
+         n.t(link.deadline), len(link.block_ids))
+        for a, link in sorted(r.links.items())
+    ]  # fmt: skip
+    return (
+        n.id(r.id), r.state, r.abort_requested, len(r.blocks), tally.state, tally.expected,
+        sorted(tally.results.items()), links, sorted(r.acks), sorted(r.lost), r.consumer_released,
+    )  # fmt: skip
+
+
+def _network_print(c: SimCluster, n: _Namer) -> Hashable:
+    events: list[Any] = []
+    for when, _, ev in _events(c):
+        if hasattr(ev, "msg"):
+            receiver = _agent_of(c, ev.receiver_gen)
+            events.append((n.t(when), ev.sender, receiver, _message_print(ev.msg, n)))
+        else:
+            flight = _flight(c, ev)
+            what = None if flight is None else n.id(flight.request_id)
+            events.append((n.t(when), _agent_of(c, ev.gen), what, ev.fail_rows is None))
+    dice: Any = getattr(c.network, "_dice")  # noqa: B009
+    scripted = [(a, tuple(q)) for a, q in sorted(dice._posts.items()) if q]
+    failing = sorted((a, k) for a, k in c.directory._failures.items() if k)
+    return repr((events, scripted, failing, sorted(c.dead)))
+
+
+def _message_print(payload: bytes, n: _Namer) -> tuple[Any, ...]:
+    """A message's kind and fields: ids as names, block lists as lengths, deadlines relative."""
+    try:
+        msg = decode(payload)
+    except WireError:
+        return ("malformed", "", "")
+    fields = msgspec.structs.asdict(msg)
+    return (type(msg).__name__, *(_field(k, v, n) for k, v in fields.items()))
+
+
+def _field(name: str, value: Any, n: _Namer) -> Any:
+    if isinstance(value, str):
+        return n.id(value)
+    if isinstance(value, bytes):
+        return len(value)
+    if isinstance(value, list):
+        return tuple(map(n.id, value))
+    return n.t(value) if name == "deadline" else value
+
+
+def _ledger_print(c: SimCluster, n: _Namer) -> Hashable:
+    """The ledger's books of the requests not settled, and what settled ones still owe."""
+    ledger: Any = c.ledger
+    live = {k for k in c.requests if k not in n.settled}
+    return repr((
+        [(k, pr.finished_prefill, sorted(pr.final.items())) for k, pr in sorted(c.requests.items())
+         if k in live],
+        sorted(n.settled),
+        sorted(x for x in ledger._released.items() if x[0][1] in live),
+        sorted(x for x in ledger._received if x[1] in live),
+        sorted(x for x in ledger._failed if x[1] in live),
+        sorted((k, sorted(v)) for k, v in ledger._owed.items() if v or k in live),
+        sorted(x for x in ledger._freed if x[0] in live),
+    ))  # fmt: skip
+
+
+# --- the search ---------------------------------------------------------------------------------
+
+
+class _Search:
+    """The breadth-first search's books."""
+
+    def __init__(self, mode: Mode, report: CheckReport) -> None:
+        self.mode: Mode = mode
+        self.report = report
+        self.answers: dict[Any, Any] = {}
+        self.taken: set[Any] = set()
+        self.seen: set[Hashable] = set()
+        self.found: dict[str, CheckViolation] = {}
+        self.actions: dict[Path, list[Action]] = {}
+
+    def visit(self, path: Path) -> bool:
+        """Replay `path` and check it; True if it reached a new state to expand."""
+        report = self.report
+        run = _Run(self.mode, self.answers, self.taken)
+        for action in path:
+            run.apply(action)
+        c = run.cluster
+        problems, at_end = c.ledger.violations + _conformance(c), False
+        if not problems:
+            fp = _fingerprint(run)
+            if fp in self.seen:
+                return False
+            self.seen.add(fp)
+            enabled = run.enabled(report.max_faults, report.requests)
+            if enabled and len(path) < report.depth_bound:
+                self.actions[path] = enabled
+                return True
+            report.paths += 1
+            report.paths_cut += bool(enabled)
+            problems, at_end = _end_of_run(c), True
+        if problems:
+            report.violating_transitions += 1
+            named = [_Namer(c).id(p) for p in dict.fromkeys(problems)]
+            if named[0] not in self.found:
+                self.found[named[0]] = CheckViolation(self._trace(path, at_end), named)
+        return False
+
+    def _trace(self, path: Path, at_end: bool) -> list[str]:
+        """The readable trace of `path` (replayed once more, with labels)."""
+        run = _Run(self.mode, self.answers, self.taken)
+        run.labelled = True
+        for action in path:
+            run.apply(action)
+        return run.labels + [_END] * at_end
+
+
+def run_check(
+    mode: Mode,
+    *,
+    max_faults: int = 2,
+    requests: int = 2,
+    max_depth: int = MAX_DEPTH,
+    progress: Callable[[int], None] | None = None,
+) -> CheckReport:
+    """Explore every interleaving of `requests` requests (1 or 2) on 1 P and 1 D in `mode`, with
+    up to `max_faults` faults and `max_depth` actions per path, breadth first; `progress(n)`
+    reports depth levels done (`max_depth` in all)."""
+    if not 1 <= requests <= len(_BLOCKS) or max_faults < 0 or max_depth < 1:
+        raise ValueError(f"requests must be 1 to {len(_BLOCKS)}, faults >= 0 and depth >= 1")
+    start = time.perf_counter()
+    report = CheckReport(mode, max_faults, requests, max_depth)
+    search = _Search(mode, report)
+    level: list[Path] = [()] if search.visit(()) else []
+    depth = 0
+    while level:
+        depth += 1
+        nxt: list[Path] = []
+        for path in level:
+            for action in search.actions.pop(path):
+                report.transitions += 1
+                if search.visit((*path, action)):
+                    nxt.append((*path, action))
+        report.max_depth = depth
+        if progress is not None:
+            progress(1)
+        level = nxt
+    if progress is not None and depth < max_depth:
+        progress(max_depth - depth)
+    report.states_explored = len(search.seen)
+    report.model_transitions_taken = len(search.taken)
+    models = [m for m in MODEL_NAMES if not m.endswith(("_push", "_pull")) or m.endswith(mode)]
+    report.model_transitions = sum(len(load(name).edges) for name in models)
+    report.violations = list(search.found.values())
+    report.elapsed_s = round(time.perf_counter() - start, 3)
+    return report

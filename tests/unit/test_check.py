@@ -1,0 +1,82 @@
+"""`kvfsm check`: the bounded exhaustive exploration finds nothing wrong in the core at CI's bound,
+explores one request's whole space to its end, catches a planted protocol bug with a shortest
+trace, and its command line reports the figures and the violations."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from kvfsm.cli import main
+from kvfsm.core import Consumer
+from kvfsm.testing import MAX_DEPTH, run_check
+
+# Measured at the default bound (2 requests, 2 faults, depth 8): about 23,000 states per mode.
+# Well below, so the core may grow or shrink a little; far above what a broken explorer (an
+# action or fault kind never tried, a fingerprint that merges everything) would reach.
+_AT_LEAST = 10_000
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_default_bound_finds_no_violation(mode: str) -> None:
+    report = run_check(mode)  # type: ignore[arg-type]
+    assert report.violations == [], report.violations[:3]
+    assert report.states_explored > _AT_LEAST
+    assert report.transitions > report.states_explored  # duplicates were met and merged
+    assert report.max_depth == report.depth_bound == MAX_DEPTH
+    assert report.paths > 0 and report.violating_transitions == 0
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_one_request_without_faults_is_explored_to_the_end(mode: str) -> None:
+    """No depth bound in effect: every path ends by itself (all ended, nothing due)."""
+    report = run_check(mode, max_faults=0, requests=1, max_depth=200)  # type: ignore[arg-type]
+    assert report.violations == []
+    assert report.paths_cut == 0 and report.paths > 0
+    assert report.states_explored > 100 and report.max_depth < 200
+
+
+def _failure_taken_for_completion(self: Consumer, msg: Any, sender: str) -> None:
+    """The planted bug: D takes P's Failure notice for a completion of the transfer."""
+    req = self._request_from(msg.request_id, sender, "failure")
+    if req is not None:
+        self._result_from_peer(req, sender, True)
+
+
+def test_planted_bug_is_caught_with_a_shortest_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Consumer, "_on_failure", _failure_taken_for_completion)
+    report = run_check("push", max_faults=0, requests=1, max_depth=12)
+    assert report.violations and report.violating_transitions > 0
+    first = report.violations[0]
+    assert any("no silent corruption" in p for p in first.problems)
+    # admit, abort on P, then the clock: D connects, registers, P connects back, the Failure lands.
+    assert len(first.trace) <= 8
+    assert first.trace[0].startswith("admit r1")
+    assert any("Failure of r1" in step for step in first.trace)
+
+
+def test_cli_json_as_a_user_runs_it(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["check", "--mode", "both", "--requests", "1", "--faults", "1", "--depth", "5"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["violations"] == []
+    assert set(out["modes"]) == {"push", "pull"}
+    modes = out["modes"].values()
+    assert out["states_explored"] == sum(m["states_explored"] for m in modes) > 0
+    assert all(m["max_faults"] == 1 and m["depth_bound"] == 5 for m in modes)
+
+
+def test_cli_reports_a_violation_and_exits_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(Consumer, "_on_failure", _failure_taken_for_completion)
+    argv = ["check", "--mode", "push", "--requests", "1", "--faults", "0", "--depth", "8"]
+    assert main([*argv, "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["violations"] and out["violations"][0]["mode"] == "push"
+    assert out["violations"][0]["trace"][0].startswith("admit r1")
+    assert main(argv) == 1  # the table, then each violation with its numbered trace
+    text = capsys.readouterr().out
+    assert "kvfsm check: push" in text and "violation (push)" in text and " 1. admit r1" in text
