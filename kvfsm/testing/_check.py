@@ -16,12 +16,8 @@ replay is checked (ledger, conformance); a path ends when nothing is enabled or 
 and then gets the stateful suite's end-of-run checks (every prefill finished, time run until
 quiet, quiescence, shut down, again). The first trace of each distinct problem is a shortest one.
 
-States are deduplicated by a fingerprint: per engine its requests by key (state, flags, tally,
-links), deadlines, peers, transfers, handshakes, routes, tombstones, unmatched registrations; the
-pending events in delivery order (messages decoded, ids as keys, block lists as lengths); the
-ledger's books; faults used; aborts spent. Times are relative to now (those older than every
-bound are one value). Left out, as they steer nothing: random ids and blocks, random generators,
-counters, and how a settled request (no engine holds it, no pending event names it) ended.
+States are deduplicated by a fingerprint (`kvfsm.testing._check_state`: what it keeps and what
+it leaves out).
 """
 
 from __future__ import annotations
@@ -35,10 +31,18 @@ from typing import Any
 import msgspec
 
 from kvfsm.core import Mode, Step
-from kvfsm.fabric import FabricError, SimFaults
+from kvfsm.fabric import SimFaults
 from kvfsm.lifecycle import MODEL_NAMES, load
+from kvfsm.testing._check_state import (
+    Namer,
+    agent_of,
+    fingerprint,
+    flight_of,
+    handshakes,
+    message_print,
+    pending_events,
+)
 from kvfsm.testing._cluster import FAST_CONFIG, SimCluster
-from kvfsm.wire import WireError, decode
 
 __all__ = ["DELAY_S", "MAX_DEPTH", "CheckReport", "CheckViolation", "run_check"]
 
@@ -52,8 +56,6 @@ _BLOCKS = (2, 1)  # P blocks of r1, r2
 _AGENTS = ("P#0", "D#0")
 _C = FAST_CONFIG
 _SETTLE_S = 4 * (_C.lease_s + _C.watchdog_s + _C.producer_stall_s + _C.fence_s)
-_HORIZON = max(v for v in msgspec.structs.asdict(_C).values() if type(v) is float)
-_PAST = -1e9  # any time longer ago than the longest bound
 _END = "end of run: finish every prefill, let time run, shut down"
 
 Action = tuple[str, ...]
@@ -146,17 +148,17 @@ class _Run:
     def _faults(self) -> list[Action]:
         c, net = self.cluster, self.cluster.network
         acts: list[Action] = []
-        for _, seq, ev in _events(c):
+        for _, seq, ev in pending_events(c):
             if hasattr(ev, "msg"):
                 acts += [("drop", str(seq)), ("duplicate", str(seq)), ("delay", str(seq))]
-            elif _flight(c, ev) is not None:
+            elif flight_of(c, ev) is not None:
                 acts += [("err", str(seq)), ("stuck", str(seq))]
         armed = getattr(net, "_dice")._posts.get(self.poster)  # noqa: B009
         if self.poster not in c.dead and not armed and _may_post(c, self.poster):
             acts.append(("fail_post", self.poster))
         for agent in (a for a in _AGENTS if a not in c.dead):
             acts += [("kill", agent, "reset"), ("kill", agent, "cut")]
-            shaking = any(e[1] == agent for x in c.live_engines() for e in _handshakes(x))
+            shaking = any(e[1] == agent for x in c.live_engines() for e in handshakes(x))
             if shaking and not c.directory._failures[agent]:
                 acts.append(("handshake", agent))
         return acts
@@ -168,14 +170,14 @@ def _advance(c: SimCluster, labelled: bool = False) -> str:
     due = _next_due(c)
     assert due is not None
     due = max(due, c.now)
-    events = _events(c)
+    events = pending_events(c)
     if not labelled:
         what = ""
     elif events and events[0][0] == due:
         what = _describe(c, events[0][2], due)
     else:
         shakes = [f"{e.agent}'s handshake with {h[1]}" for e in c.live_engines()
-                  for h in _handshakes(e) if h[0] == due]  # fmt: skip
+                  for h in handshakes(e) if h[0] == due]  # fmt: skip
         woken = [e.agent for e in c.live_engines() if e.next_wakeup() == due]
         what = ", ".join(shakes) or f"a wakeup of {' and '.join(woken)}"
     label = f"advance {due - c.now:.4f} s to t={due:.4f}: {what}"
@@ -213,30 +215,14 @@ def _inject(c: SimCluster, action: Action) -> str:
     return label
 
 
-def _events(c: SimCluster) -> list[tuple[float, int, Any]]:
-    """The network's pending notifications and transfer completions, in delivery order."""
-    return sorted(getattr(c.network, "_events"), key=lambda e: (e[0], e[1]))  # noqa: B009
-
-
-def _agent_of(c: SimCluster, gen: int) -> str:
-    return str(getattr(c.network, "_incarnations")[gen].agent_name)  # noqa: B009
-
-
-def _flight(c: SimCluster, ev: Any) -> Any:
-    """The live transfer a pending completion belongs to, if any."""
-    agent = _agent_of(c, ev.gen)
-    flights = () if agent in c.dead else c.engines[agent].inflight.values()
-    return next((f for f in flights if f.handle == ev.handle), None)
-
-
 def _describe(c: SimCluster, ev: Any, when: float) -> str:
-    n = _Namer(c)
+    n = Namer(c)
     if not hasattr(ev, "msg"):
-        flight = _flight(c, ev)
+        flight = flight_of(c, ev)
         what = "a stale transfer" if flight is None else f"the {flight.op} of {flight.request_id}"
         return f"{n.id(what)} (due t={when:.4f})"
-    msg = _message_print(ev.msg, n)
-    to = _agent_of(c, ev.receiver_gen)
+    msg = message_print(ev.msg, n)
+    to = agent_of(c, ev.receiver_gen)
     return f"{msg[0]} of {msg[1] or msg[2]} {ev.sender} -> {to} (due t={when:.4f})"
 
 
@@ -252,17 +238,12 @@ def _holds(c: SimCluster, agent: str, request_id: str) -> bool:
     return agent not in c.dead and request_id in c.engines[agent].side.requests
 
 
-def _handshakes(engine: Any) -> list[tuple[Any, ...]]:
-    """The handshakes an engine's `DirectoryView` has under way: (due time, peer, ...)."""
-    return list(getattr(engine.directory, "_started", ()))
-
-
 def _next_due(c: SimCluster) -> float | None:
     """When something next happens on its own: a network event, a wakeup, a handshake."""
     times = [c.network.next_event_time()]
     for engine in c.live_engines():
         times.append(engine.next_wakeup())
-        times += [entry[0] for entry in _handshakes(engine)]
+        times += [entry[0] for entry in handshakes(engine)]
     return min((t for t in times if t is not None), default=None)
 
 
@@ -282,157 +263,6 @@ def _end_of_run(c: SimCluster) -> list[str]:
 
 def _conformance(c: SimCluster) -> list[str]:
     return list(c.conformance.violations) if c.conformance is not None else []
-
-
-# --- the fingerprint ---------------------------------------------------------------------------
-
-
-class _Namer:
-    """Random request ids to stable names, times relative to now, and settled requests."""
-
-    def __init__(self, c: SimCluster) -> None:
-        self.now = c.now
-        self.ids = {pr.p_id: f"{k}@P" for k, pr in c.requests.items()}
-        self.ids.update({pr.d_id: f"{k}@D" for k, pr in c.requests.items() if pr.d_id != pr.p_id})
-        self.settled: frozenset[str] = frozenset()
-
-    def id(self, text: str) -> str:
-        """`text` with every request id replaced by its name."""
-        for rid, name in self.ids.items():
-            text = text.replace(rid, name)
-        return text
-
-    def keep(self, text: str) -> bool:
-        """Whether `text` (ids named) mentions no settled request."""
-        return not any(f"{key}@" in text for key in self.settled)
-
-    def t(self, at: float | None) -> float | None:
-        """`at` relative to now, rounded; times older than every bound collapse."""
-        if at is None:
-            return None
-        return _PAST if at - self.now < -_HORIZON else round(at - self.now, 6)
-
-
-def _fingerprint(run: _Run) -> Hashable:
-    c = run.cluster
-    n = _Namer(c)
-    network = _network_print(c, n)
-    held = [repr(network)]
-    for e in c.live_engines():
-        held += [*e.side.requests, *(f.request_id for f in e.inflight.values())]
-        held += [rid for _, rid in getattr(getattr(e.side, "_pending", None), "_entries", ())]
-    text = n.id(" ".join(held))
-    n.settled = frozenset(k for k in c.requests if f"{k}@" not in text)
-    engines = tuple(_engine_print(c, agent, n) for agent in sorted(c.engines))
-    spent = frozenset(a for a in run.spent if n.keep(f"{a[1]}@"))
-    return (engines, network, _ledger_print(c, n), run.faults, spent)
-
-
-def _engine_print(c: SimCluster, agent: str, n: _Namer) -> Hashable:
-    if agent in c.dead:
-        return (agent, "dead")
-    engine = c.engines[agent]
-    side: Any = engine.side
-    deadlines = sorted(
-        (n.id(k), w.event, n.t(w.entries[k])) if hasattr(w, "event") else (n.id(k), w[2], n.t(w[0]))
-        for k, w in side.deadlines._where.items()
-    )
-    peers = sorted(
-        (p.id, p.state, len(p.outbox), tuple(map(n.id, p.waiters)), n.t(getattr(p, "idle_since", None)),
-         round(getattr(p, "clock_offset", 0.0), 9), round(getattr(p, "clock_error", 0.0), 9))
-        for p in side.peers.values()
-    )  # fmt: skip
-    flights = sorted((n.id(f.request_id), f.op, f.peer, _xfer_state(engine, f.handle))
-                     for f in engine.inflight.values())  # fmt: skip
-    ended = [(n.id(k), v) for k, v in side.tombstones._ended.items() if n.keep(n.id(k))]
-    if side.side == "P":
-        extra: Any = (
-            sorted((s, n.id(r), n.t(e.expires)) for (s, r), e in side._pending._entries.items()),
-            sorted((n.id(k), n.id(v)) for k, v in side._consumed._ended.items() if n.keep(n.id(k))),
-            sorted(k for k in side._ended_bases._ended if n.keep(f"{k}@")),
-        )  # fmt: skip
-    else:
-        extra = n.t(side._next_heartbeat)
-    return repr((
-        agent, sorted(_request_print(r, n) for r in side.requests.values()), deadlines, peers,
-        flights, sorted((n.t(e[0]), e[1]) for e in _handshakes(engine)), sorted(ended),
-        sorted(engine._routes), side.shut_down, extra, n.t(getattr(side, "_next_peer_sweep", None)),
-    ))  # fmt: skip
-
-
-def _xfer_state(engine: Any, handle: int) -> str:
-    try:
-        return str(engine.fabric.check_xfer_state(handle))
-    except FabricError as exc:
-        return type(exc).__name__
-
-
-def _request_print(r: Any, n: _Namer) -> tuple[Any, ...]:
-    tally = r.tally
-    links = [
-        (a, n.id(link.request_id), bool(link.transfer_id), getattr(link, "granted", None),
-         n.t(link.deadline), len(link.block_ids))
-        for a, link in sorted(r.links.items())
-    ]  # fmt: skip
-    return (
-        n.id(r.id), r.state, r.abort_requested, len(r.blocks), tally.state, tally.expected,
-        sorted(tally.results.items()), links, sorted(r.acks), sorted(r.lost), r.consumer_released,
-    )  # fmt: skip
-
-
-def _network_print(c: SimCluster, n: _Namer) -> Hashable:
-    events: list[Any] = []
-    for when, _, ev in _events(c):
-        if hasattr(ev, "msg"):
-            receiver = _agent_of(c, ev.receiver_gen)
-            events.append((n.t(when), ev.sender, receiver, _message_print(ev.msg, n)))
-        else:
-            flight = _flight(c, ev)
-            what = None if flight is None else n.id(flight.request_id)
-            events.append((n.t(when), _agent_of(c, ev.gen), what, ev.fail_rows is None))
-    dice: Any = getattr(c.network, "_dice")  # noqa: B009
-    scripted = [(a, tuple(q)) for a, q in sorted(dice._posts.items()) if q]
-    failing = sorted((a, k) for a, k in c.directory._failures.items() if k)
-    return repr((events, scripted, failing, sorted(c.dead)))
-
-
-def _message_print(payload: bytes, n: _Namer) -> tuple[Any, ...]:
-    """A message's kind and fields: ids as names, block lists as lengths, deadlines relative."""
-    try:
-        msg = decode(payload)
-    except WireError:
-        return ("malformed", "", "")
-    fields = msgspec.structs.asdict(msg)
-    return (type(msg).__name__, *(_field(k, v, n) for k, v in fields.items()))
-
-
-def _field(name: str, value: Any, n: _Namer) -> Any:
-    if isinstance(value, str):
-        return n.id(value)
-    if isinstance(value, bytes):
-        return len(value)
-    if isinstance(value, list):
-        return tuple(map(n.id, value))
-    return n.t(value) if name == "deadline" else value
-
-
-def _ledger_print(c: SimCluster, n: _Namer) -> Hashable:
-    """The ledger's books of the requests not settled, and what settled ones still owe."""
-    ledger: Any = c.ledger
-    live = {k for k in c.requests if k not in n.settled}
-    return repr((
-        [(k, pr.finished_prefill, sorted(pr.final.items())) for k, pr in sorted(c.requests.items())
-         if k in live],
-        sorted(n.settled),
-        sorted(x for x in ledger._released.items() if x[0][1] in live),
-        sorted(x for x in ledger._received if x[1] in live),
-        sorted(x for x in ledger._failed if x[1] in live),
-        sorted((k, sorted(v)) for k, v in ledger._owed.items() if v or k in live),
-        sorted(x for x in ledger._freed if x[0] in live),
-    ))  # fmt: skip
-
-
-# --- the search ---------------------------------------------------------------------------------
 
 
 class _Search:
@@ -456,7 +286,7 @@ class _Search:
         c = run.cluster
         problems, at_end = c.ledger.violations + _conformance(c), False
         if not problems:
-            fp = _fingerprint(run)
+            fp = fingerprint(run.cluster, run.faults, frozenset(run.spent))
             if fp in self.seen:
                 return False
             self.seen.add(fp)
@@ -469,7 +299,7 @@ class _Search:
             problems, at_end = _end_of_run(c), True
         if problems:
             report.violating_transitions += 1
-            named = [_Namer(c).id(p) for p in dict.fromkeys(problems)]
+            named = [Namer(c).id(p) for p in dict.fromkeys(problems)]
             if named[0] not in self.found:
                 self.found[named[0]] = CheckViolation(self._trace(path, at_end), named)
         return False

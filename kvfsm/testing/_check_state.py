@@ -1,0 +1,205 @@
+"""The state fingerprint of `kvfsm check`, and the peeks into the simulated network it needs.
+
+Two explored states with the same fingerprint have the same futures, as far as the core can
+tell: per engine its requests by key (random ids become `r1@P`, `r1@D`) with their state, flags,
+tally and links, its deadlines, peers, transfers, handshakes, routes, tombstones and unmatched
+registrations; the network's pending events in delivery order (messages decoded, block lists as
+lengths); the ledger's books; faults used; aborts spent. Times are relative to now, and those
+older than every bound are one value. Left out, as they steer nothing: random ids and blocks,
+random generators, counters, and how a settled request (no engine holds it, no pending event
+names it) ended. It reads private state of the simulated network and the cores (the price of a
+fingerprint that sees everything): a refactor of those must keep it in step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import msgspec
+
+from kvfsm.fabric import FabricError
+from kvfsm.testing._cluster import FAST_CONFIG, SimCluster
+from kvfsm.wire import WireError, decode
+
+__all__ = [
+    "Namer",
+    "agent_of",
+    "fingerprint",
+    "flight_of",
+    "handshakes",
+    "message_print",
+    "pending_events",
+]
+
+_HORIZON = max(v for v in msgspec.structs.asdict(FAST_CONFIG).values() if type(v) is float)
+_PAST = -1e9  # any time longer ago than the longest bound
+
+
+def pending_events(c: SimCluster) -> list[tuple[float, int, Any]]:
+    """The network's pending notifications and transfer completions, in delivery order."""
+    return sorted(getattr(c.network, "_events"), key=lambda e: (e[0], e[1]))  # noqa: B009
+
+
+def agent_of(c: SimCluster, gen: int) -> str:
+    return str(getattr(c.network, "_incarnations")[gen].agent_name)  # noqa: B009
+
+
+def flight_of(c: SimCluster, ev: Any) -> Any:
+    """The live transfer a pending completion belongs to, if any."""
+    agent = agent_of(c, ev.gen)
+    flights = () if agent in c.dead else c.engines[agent].inflight.values()
+    return next((f for f in flights if f.handle == ev.handle), None)
+
+
+def handshakes(engine: Any) -> list[tuple[Any, ...]]:
+    """The handshakes an engine's `DirectoryView` has under way: (due time, peer, ...)."""
+    return list(getattr(engine.directory, "_started", ()))
+
+
+class Namer:
+    """Random request ids to stable names, times relative to now, and settled requests."""
+
+    def __init__(self, c: SimCluster) -> None:
+        self.now = c.now
+        self.ids = {pr.p_id: f"{k}@P" for k, pr in c.requests.items()}
+        self.ids.update({pr.d_id: f"{k}@D" for k, pr in c.requests.items() if pr.d_id != pr.p_id})
+        self.settled: frozenset[str] = frozenset()
+
+    def id(self, text: str) -> str:
+        """`text` with every request id replaced by its name."""
+        for rid, name in self.ids.items():
+            text = text.replace(rid, name)
+        return text
+
+    def keep(self, text: str) -> bool:
+        """Whether `text` (ids named) mentions no settled request."""
+        return not any(f"{key}@" in text for key in self.settled)
+
+    def t(self, at: float | None) -> float | None:
+        """`at` relative to now, rounded; times older than every bound collapse."""
+        if at is None:
+            return None
+        return _PAST if at - self.now < -_HORIZON else round(at - self.now, 6)
+
+
+def fingerprint(c: SimCluster, faults: int, spent_actions: frozenset[tuple[str, ...]]) -> Hashable:
+    """The state of an explored cluster, as far as it steers what can happen next."""
+    n = Namer(c)
+    network = _network_print(c, n)
+    held = [repr(network)]
+    for e in c.live_engines():
+        held += [*e.side.requests, *(f.request_id for f in e.inflight.values())]
+        held += [rid for _, rid in getattr(getattr(e.side, "_pending", None), "_entries", ())]
+    text = n.id(" ".join(held))
+    n.settled = frozenset(k for k in c.requests if f"{k}@" not in text)
+    engines = tuple(_engine_print(c, agent, n) for agent in sorted(c.engines))
+    spent = frozenset(a for a in spent_actions if n.keep(f"{a[1]}@"))
+    return (engines, network, _ledger_print(c, n), faults, spent)
+
+
+def _engine_print(c: SimCluster, agent: str, n: Namer) -> Hashable:
+    if agent in c.dead:
+        return (agent, "dead")
+    engine = c.engines[agent]
+    side: Any = engine.side
+    deadlines = sorted(
+        (n.id(k), w.event, n.t(w.entries[k])) if hasattr(w, "event") else (n.id(k), w[2], n.t(w[0]))
+        for k, w in side.deadlines._where.items()
+    )
+    peers = sorted(
+        (p.id, p.state, len(p.outbox), tuple(map(n.id, p.waiters)), n.t(getattr(p, "idle_since", None)),
+         round(getattr(p, "clock_offset", 0.0), 9), round(getattr(p, "clock_error", 0.0), 9))
+        for p in side.peers.values()
+    )  # fmt: skip
+    flights = sorted((n.id(f.request_id), f.op, f.peer, _xfer_state(engine, f.handle))
+                     for f in engine.inflight.values())  # fmt: skip
+    ended = [(n.id(k), v) for k, v in side.tombstones._ended.items() if n.keep(n.id(k))]
+    if side.side == "P":
+        extra: Any = (
+            sorted((s, n.id(r), n.t(e.expires)) for (s, r), e in side._pending._entries.items()),
+            sorted((n.id(k), n.id(v)) for k, v in side._consumed._ended.items() if n.keep(n.id(k))),
+            sorted(k for k in side._ended_bases._ended if n.keep(f"{k}@")),
+        )  # fmt: skip
+    else:
+        extra = n.t(side._next_heartbeat)
+    return repr((
+        agent, sorted(_request_print(r, n) for r in side.requests.values()), deadlines, peers,
+        flights, sorted((n.t(e[0]), e[1]) for e in handshakes(engine)), sorted(ended),
+        sorted(engine._routes), side.shut_down, extra, n.t(getattr(side, "_next_peer_sweep", None)),
+    ))  # fmt: skip
+
+
+def _xfer_state(engine: Any, handle: int) -> str:
+    try:
+        return str(engine.fabric.check_xfer_state(handle))
+    except FabricError as exc:
+        return type(exc).__name__
+
+
+def _request_print(r: Any, n: Namer) -> tuple[Any, ...]:
+    tally = r.tally
+    links = [
+        (a, n.id(link.request_id), bool(link.transfer_id), getattr(link, "granted", None),
+         n.t(link.deadline), len(link.block_ids))
+        for a, link in sorted(r.links.items())
+    ]  # fmt: skip
+    return (
+        n.id(r.id), r.state, r.abort_requested, len(r.blocks), tally.state, tally.expected,
+        sorted(tally.results.items()), links, sorted(r.acks), sorted(r.lost), r.consumer_released,
+    )  # fmt: skip
+
+
+def _network_print(c: SimCluster, n: Namer) -> Hashable:
+    events: list[Any] = []
+    for when, _, ev in pending_events(c):
+        if hasattr(ev, "msg"):
+            receiver = agent_of(c, ev.receiver_gen)
+            events.append((n.t(when), ev.sender, receiver, message_print(ev.msg, n)))
+        else:
+            flight = flight_of(c, ev)
+            what = None if flight is None else n.id(flight.request_id)
+            events.append((n.t(when), agent_of(c, ev.gen), what, ev.fail_rows is None))
+    dice: Any = getattr(c.network, "_dice")  # noqa: B009
+    scripted = [(a, tuple(q)) for a, q in sorted(dice._posts.items()) if q]
+    failing = sorted((a, k) for a, k in c.directory._failures.items() if k)
+    return repr((events, scripted, failing, sorted(c.dead)))
+
+
+def message_print(payload: bytes, n: Namer) -> tuple[Any, ...]:
+    """A message's kind and fields: ids as names, block lists as lengths, deadlines relative."""
+    try:
+        msg = decode(payload)
+    except WireError:
+        return ("malformed", "", "")
+    fields = msgspec.structs.asdict(msg)
+    return (type(msg).__name__, *(_field(k, v, n) for k, v in fields.items()))
+
+
+def _field(name: str, value: Any, n: Namer) -> Any:
+    if isinstance(value, str):
+        return n.id(value)
+    if isinstance(value, bytes):
+        return len(value)
+    if isinstance(value, list):
+        return tuple(map(n.id, value))
+    return n.t(value) if name == "deadline" else value
+
+
+def _ledger_print(c: SimCluster, n: Namer) -> Hashable:
+    """The ledger's books of the requests not settled, and what settled ones still owe."""
+    ledger: Any = c.ledger
+    live = {k for k in c.requests if k not in n.settled}
+    return repr((
+        [(k, pr.finished_prefill, sorted(pr.final.items())) for k, pr in sorted(c.requests.items())
+         if k in live],
+        sorted(n.settled),
+        sorted(x for x in ledger._released.items() if x[0][1] in live),
+        sorted(x for x in ledger._received if x[1] in live),
+        sorted(x for x in ledger._failed if x[1] in live),
+        sorted((k, sorted(v)) for k, v in ledger._owed.items() if v or k in live),
+        sorted(x for x in ledger._freed if x[0] in live),
+    ))  # fmt: skip
+
+
+# --- the search ---------------------------------------------------------------------------------
