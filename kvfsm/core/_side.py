@@ -154,9 +154,8 @@ class Side:
 
     def next_wakeup(self) -> float | None:
         """When the side next needs a `Tick` (its next deadline), for an event loop's timeout."""
-        at = self.deadlines.next_at()
-        sweep = self._next_peer_sweep
-        return sweep if at is None else at if sweep is None else min(at, sweep)
+        times = (self.deadlines.next_at(), self._next_peer_sweep)
+        return min((t for t in times if t is not None), default=None)
 
     # --- common event handlers ------------------------------------------------------------------
 

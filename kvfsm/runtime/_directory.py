@@ -87,6 +87,10 @@ class DirectoryView:
         reached = d.peer_clock(peer) + d._latency / 2  # a hang is the peer holding the request
         self._started.append((d._clock() + delay, peer, self._clock(), reached))
 
+    def next_due(self) -> float | None:
+        """When the next handshake under way finishes (the directory's clock), if any."""
+        return min((entry[0] for entry in self._started), default=None)
+
     def results(self) -> list[tuple[str, PeerInfo | HandshakeError]]:
         """The handshakes whose latency has passed."""
         now = self._directory._clock()

@@ -40,8 +40,9 @@ class HandshakeListener:
     `payloads` is called on the listener's thread, not the caller's: it must be thread-safe and
     must not touch the fabric (build each payload in advance and look it up). Binds `host:port`
     (127.0.0.1 by default; port 0 picks a free port, see `.port`); every answer carries the
-    times, on `clock` (the engines' clock), the request arrived and the answer left. `.counters` counts requests by outcome (`accepted`, `refused`,
-    `malformed`, `oversized`, `errors`; disjoint).
+    times, on `clock` (the engines' clock), the request arrived and the answer left.
+    `.counters` counts requests by outcome (`accepted`, `refused`, `malformed`, `oversized`,
+    `errors`; disjoint).
     """
 
     def __init__(

@@ -139,7 +139,7 @@ class _Run:
             for side, agent, rid in (("P", "P#0", pr.p_id), ("D", "D#0", pr.d_id)):
                 if ("abort", key, side) not in self.spent and _holds(c, agent, rid):
                     acts.append(("abort", key, side))
-        if _next_due(c) is not None:
+        if c.next_due() is not None:
             acts.append(("advance",))
         if self.faults < max_faults and (pending or not c.quiet()):
             acts += self._faults()
@@ -167,7 +167,7 @@ class _Run:
 def _advance(c: SimCluster, labelled: bool = False) -> str:
     """Move the clock to the next due thing and let every engine poll; returns a label (if
     `labelled`: replays for the search need none)."""
-    due = _next_due(c)
+    due = c.next_due()
     assert due is not None
     due = max(due, c.now)
     events = pending_events(c)
@@ -238,21 +238,12 @@ def _holds(c: SimCluster, agent: str, request_id: str) -> bool:
     return agent not in c.dead and request_id in c.engines[agent].side.requests
 
 
-def _next_due(c: SimCluster) -> float | None:
-    """When something next happens on its own: a network event, a wakeup, a handshake."""
-    times = [c.network.next_event_time()]
-    for engine in c.live_engines():
-        times.append(engine.next_wakeup())
-        times += [entry[0] for entry in handshakes(engine)]
-    return min((t for t in times if t is not None), default=None)
-
-
 def _end_of_run(c: SimCluster) -> list[str]:
     """The stateful suite's teardown: every prefill finished, time run, shut down, all checked."""
     for key in sorted(c.requests):
         c.finish_prefill(key)
     end = c.now + _SETTLE_S
-    while not c.quiet() and (due := _next_due(c)) is not None and due <= end:
+    while not c.quiet() and (due := c.next_due()) is not None and due <= end:
         _advance(c)
     problems = c.ledger.quiescence() + _conformance(c)
     if not problems:

@@ -40,7 +40,7 @@ from kvfsm.fabric import (
     UcxErrorHandling,
 )
 from kvfsm.layout import KvGeometry
-from kvfsm.runtime import CallerOutput, Engine, KvCache, LocalDirectory
+from kvfsm.runtime import CallerOutput, DirectoryView, Engine, KvCache, LocalDirectory
 from kvfsm.testing._invariants import Conformance, Ledger
 from kvfsm.testing._pattern import request_seed, write_request
 
@@ -137,6 +137,7 @@ class SimCluster:
         self.conformance = Conformance() if conformance else None
         self.trace = trace
         self.engines: dict[str, Engine] = {}
+        self._views: dict[str, DirectoryView] = {}
         self.dead: set[str] = set()
         self.requests: dict[str, PairedRequest] = {}
         self.ledger = Ledger(self)
@@ -177,7 +178,8 @@ class SimCluster:
         kv = KvCache.allocate(self.geometry[side].for_rank(rank))
         skew = self.clock_skew[side]
         clock = (lambda: self.now + skew) if skew else (lambda: self.now)
-        engine = Engine(core, fabric, kv, self.directory.view(clock), clock)
+        self._views[agent] = view = self.directory.view(clock)
+        engine = Engine(core, fabric, kv, view, clock)
         self.engines[agent] = engine
         self.directory.publish(agent, engine.info, clock)
         self.dead.discard(agent)
@@ -338,6 +340,17 @@ class SimCluster:
         end = self.now + limit
         while self.now < end and not self.quiet():
             self.step(min(c.heartbeat_s, c.stall_s) / 2)
+
+    def next_due(self) -> float | None:
+        """When something next happens on its own, on the cluster's clock: a network event, a
+        live engine's wakeup (its own clock, skew taken off) or a handshake finishing."""
+        times = [self.network.next_event_time()]
+        for agent, engine in self.engines.items():
+            if agent not in self.dead:
+                wakeup = engine.next_wakeup()
+                times.append(None if wakeup is None else wakeup - self.clock_skew[agent[0]])
+                times.append(self._views[agent].next_due())
+        return min((t for t in times if t is not None), default=None)
 
     def quiet(self) -> bool:
         """No request left on any live engine and nothing in flight."""

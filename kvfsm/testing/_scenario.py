@@ -159,16 +159,12 @@ class _Run:
         end = c.now + seconds
         if not c.real:
             while c.now < end:
-                due = [t for t in self._wakeups() if t is not None]
-                c.step(min(max(min(due, default=end), c.now + _MIN_STEP_S), end) - c.now)
+                due = c.next_due()
+                c.step(min(max(end if due is None else due, c.now + _MIN_STEP_S), end) - c.now)
             return
         while (left := end - c.now) > 0:
             c.step(0.0)
             time.sleep(min(left, _UNTIL_STEP_S))  # real time must pass; the engines poll between
-
-    def _wakeups(self) -> list[float | None]:
-        engines = self.cluster.live_engines()
-        return [self.cluster.network.next_event_time(), *(e.next_wakeup() for e in engines)]
 
     def _until(self, i: int, step: UntilStep) -> bool:
         wanted = _states(step.state)
