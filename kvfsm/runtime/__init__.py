@@ -9,17 +9,20 @@ from kvfsm.runtime._engine import (
     InFlight,
     PeerInfo,
 )
+from kvfsm.runtime._guests import MAX_GUESTS, Guests
 from kvfsm.runtime._kv import KvCache
 from kvfsm.runtime._loop import EngineLoop
 from kvfsm.runtime._routes import Route, plan_route
 from kvfsm.runtime._trace import RequestTrace, TransferStats, time_in_state
 
 __all__ = [
+    "MAX_GUESTS",
     "CallerOutput",
     "Directory",
     "DirectoryView",
     "Engine",
     "EngineLoop",
+    "Guests",
     "HandshakeError",
     "InFlight",
     "KvCache",

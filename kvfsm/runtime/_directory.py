@@ -8,6 +8,7 @@ from collections.abc import Callable
 import msgspec
 
 from kvfsm.runtime._engine import HandshakeError, PeerInfo
+from kvfsm.runtime._guests import Guests
 
 __all__ = ["DirectoryView", "LocalDirectory", "clock_offset"]
 
@@ -15,7 +16,8 @@ __all__ = ["DirectoryView", "LocalDirectory", "clock_offset"]
 class LocalDirectory:
     """Engines publish how to reach them; a handshake looks the peer up after `latency` seconds of
     `clock`. One directory serves every engine of a simulated cluster; each engine gets its own
-    `view`, which keeps that engine's handshakes."""
+    `view`, which keeps that engine's handshakes. `guests` records who handshaked with whom, as
+    the engines' listeners would."""
 
     def __init__(self, clock: Callable[[], float] = lambda: 0.0, latency: float = 0.0) -> None:
         self._engines: dict[str, Callable[[], PeerInfo]] = {}
@@ -25,11 +27,12 @@ class LocalDirectory:
         self._hang_s: dict[str, float] = {}
         self._clock = clock
         self._latency = latency
+        self.guests = Guests()
 
-    def view(self, clock: Callable[[], float] | None = None) -> DirectoryView:
-        """A per-engine handle implementing the runtime's `Directory` protocol, for an engine
-        whose clock is `clock` (default: the directory's)."""
-        return DirectoryView(self, clock or self._clock)
+    def view(self, clock: Callable[[], float] | None = None, requester: str = "") -> DirectoryView:
+        """A per-engine handle implementing the runtime's `Directory` protocol, for the engine
+        of agent `requester` whose clock is `clock` (default: the directory's)."""
+        return DirectoryView(self, clock or self._clock, requester)
 
     def publish(
         self, agent: str, info: Callable[[], PeerInfo], clock: Callable[[], float] | None = None
@@ -70,9 +73,12 @@ class LocalDirectory:
 class DirectoryView:
     """One engine's handshakes through a `LocalDirectory`."""
 
-    def __init__(self, directory: LocalDirectory, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, directory: LocalDirectory, clock: Callable[[], float], requester: str = ""
+    ) -> None:
         self._directory = directory
         self._clock = clock
+        self._requester = requester
         # (due, peer, our clock at the start, the peer's clock when the request reaches it)
         self._started: list[tuple[float, str, float, float]] = []
 
@@ -103,6 +109,8 @@ class DirectoryView:
             except HandshakeError as exc:
                 out.append((peer, exc))
                 continue
+            if self._requester:  # as the peer's listener admits whoever it answered
+                self._directory.guests.admit(peer, self._requester)
             # As the ZMQ side channel measures it; the answer travels half the latency back.
             answered = self._directory.peer_clock(peer) - self._directory._latency / 2
             offset, error = clock_offset(sent, reached, answered, self._clock())

@@ -37,9 +37,11 @@ from kvfsm.core import (
 )
 from kvfsm.fabric import Fabric, FabricError, RemoteDisconnectedError, XferHandle
 from kvfsm.layout import Int64Array, RegionLayout, coalesce
+from kvfsm.runtime._guests import Guests
 from kvfsm.runtime._kv import KvCache
 from kvfsm.runtime._routes import Route, plan_route, prepare_route
 from kvfsm.runtime._trace import RequestTrace, TransferStats, trace_of
+from kvfsm.wire import AuthError, SharedSecret, is_sealed
 
 __all__ = ["CallerOutput", "Directory", "Engine", "HandshakeError", "InFlight", "PeerInfo"]
 
@@ -96,10 +98,16 @@ class Engine:
         clock: Callable[[], float],
         *,
         coalesce: bool = False,
+        secret: SharedSecret | None = None,
+        guests: Guests | None = None,
     ) -> None:
         """`coalesce`: post each transfer as descriptor rows merged where adjacent on both sides
         (dynamic lists) instead of one prepared row per block per region (docs/performance.md
-        compares the two)."""
+        compares the two). `secret`: the deployment's shared secret; every notification sent
+        is sealed with it, and only notifications sealed with it are taken (the handshakes'
+        `directory` and listener need it too). `guests`: who completed a handshake with this
+        engine's listener; with it, notifications are taken only from them and from peers this
+        engine handshaked with (None: the listener runs elsewhere, nothing to check against)."""
         self.side = side
         self.fabric = fabric
         self.kv = kv
@@ -119,6 +127,8 @@ class Engine:
             self._deregister()
             raise
         self._routes: dict[str, Route] = {}  # peer agent (loaded) -> how to move KV with it
+        self._secret = secret
+        self._guests = guests
         self._stats: dict[str, TransferStats] = {}
         self._queue: deque[Event] = deque()
         self._closed = False
@@ -173,7 +183,7 @@ class Engine:
             active = True
         for sender, messages in self._notifications().items():
             for payload in messages:
-                self.submit(NotificationReceived(sender, payload))
+                self._receive(sender, payload)
                 active = True
         for tid, flight in list(self.inflight.items()):
             active |= self._check(tid, flight)
@@ -224,6 +234,24 @@ class Engine:
             self._queue.append(HandshakeFailed(peer, str(exc)))
             return
         self._queue.append(HandshakeDone(peer, result.clock_offset, result.clock_error))
+
+    def _receive(self, sender: str, data: bytes) -> None:
+        """One notification: opened (with a secret), then to the core if the sender is a peer
+        we handshaked with or a guest of our listener; else counted and dropped."""
+        if self._secret is not None:
+            try:
+                data = self._secret.open(sender, self.agent, data)
+            except AuthError:
+                self.counters["unauthenticated"] += 1
+                return
+        elif is_sealed(data):  # the sender holds a secret we were not given
+            self.counters["unauthenticated"] += 1
+            return
+        guests = self._guests
+        if guests is None or sender in self._routes or guests.admitted(self.agent, sender):
+            self.submit(NotificationReceived(sender, data))
+        else:
+            self.counters["stranger"] += 1
 
     def _route(self, peer: str, info: PeerInfo) -> Route:
         route = plan_route(self.kv.geometry, info.layout.geometry, local_is_p=self._local_is_p)
@@ -282,6 +310,7 @@ class Engine:
         local_rows, remote_rows = rows
         handle = None
         descriptors = len(local_rows)
+        notification = self._sealed(cmd.peer, cmd.notification)
         try:
             if self._coalesce and route.descriptors is not None:
                 merged = coalesce(
@@ -289,11 +318,11 @@ class Engine:
                 )
                 descriptors = merged.after
                 handle = self.fabric.make_xfer(
-                    cmd.op, merged.local, cmd.peer, merged.remote, cmd.notification
+                    cmd.op, merged.local, cmd.peer, merged.remote, notification
                 )
             else:
                 handle = self.fabric.make_prepped_xfer(
-                    cmd.op, route.local, local_rows, route.remote, remote_rows, cmd.notification
+                    cmd.op, route.local, local_rows, route.remote, remote_rows, notification
                 )
             state = self.fabric.transfer(handle)
         except FabricError as exc:
@@ -359,9 +388,12 @@ class Engine:
     def _notify(self, cmd: SendNotification) -> None:
         self._send(cmd.peer, cmd.payload)
 
+    def _sealed(self, peer: str, payload: bytes) -> bytes:
+        return payload if self._secret is None else self._secret.seal(self.agent, peer, payload)
+
     def _send(self, peer: str, payload: bytes) -> bool:
         try:
-            self.fabric.send_notif(peer, payload)
+            self.fabric.send_notif(peer, self._sealed(peer, payload))
         except FabricError as exc:
             self.counters["notify_failed"] += 1
             if isinstance(exc, RemoteDisconnectedError):

@@ -16,11 +16,19 @@ from kvfsm.sidechannel._payload import (
     HandshakeRefused,
     HandshakeRequest,
     SidechannelError,
+    Unauthenticated,
     decode_reply,
     encode,
+    new_nonce,
 )
+from kvfsm.wire import SharedSecret
 
 __all__ = ["fetch_peer", "validate"]
+
+_CLOCK_SLACK_S = 1e-3
+"""How much longer than our round trip a listener may say it held a request: clock rates and
+resolutions differ a little between hosts; a larger claim is a lie or a broken clock, and would
+make the offset's error bound wrong (deadlines across hosts rest on it)."""
 
 
 def fetch_peer(
@@ -32,19 +40,29 @@ def fetch_peer(
     wire_version: int,
     timeout_s: float,
     clock: Callable[[], float] = time.monotonic,
+    secret: SharedSecret | None = None,
+    requester: str = "",
 ) -> tuple[HandshakePayload, float, float]:
     """Ask the listener at `host:port` for `agent`'s payload; raise `HandshakeError` saying why
     when nothing answers within `timeout_s`, the listener refuses, or the reply is undecodable or
     for another agent, wire version or compat hash. Geometry is left to `validate`. Returns the
     payload, the listener's clock minus ours (`clock`, the engines' clock) and the bound on that
-    estimate's error: half the time the exchange spent travelling."""
+    estimate's error: half the time the exchange spent travelling. With `secret`, the request
+    is tagged and only an acceptance tagged for it is taken. `requester`: the asking agent, which
+    the listener's engines then take notifications from."""
     where = f"{host}:{port}"
-    request = HandshakeRequest(agent, wire_version, compat_hash)
+    nonce = b"" if secret is None else new_nonce()
+    request = HandshakeRequest(agent, wire_version, compat_hash, requester, nonce)
     sent = clock()
-    data = _exchange(host, port, encode(request), timeout_s)
+    data = _exchange(host, port, encode(request, secret), timeout_s)
     received = clock()
     try:
-        reply = decode_reply(data)
+        reply = decode_reply(data, secret, nonce)
+    except Unauthenticated as exc:
+        raise HandshakeError(
+            f"{where} answered for {agent!r} without proof of the shared secret ({exc}): "
+            f"the listener has no secret or another one"
+        ) from exc
     except SidechannelError as exc:
         raise HandshakeError(f"undecodable reply from {where} for {agent!r}: {exc}") from exc
     if isinstance(reply, HandshakeRefused):
@@ -60,6 +78,12 @@ def fetch_peer(
         raise HandshakeError(
             f"compat hash mismatch with {agent!r} at {where}: "
             f"we have {compat_hash}, it has {payload.compat_hash}"
+        )
+    held = reply.sent - reply.received
+    if not 0.0 <= held <= (received - sent) + _CLOCK_SLACK_S:
+        raise HandshakeError(
+            f"impossible clocks from {where}: it says it held the request {held:.6g}s, but the "
+            f"whole exchange took {received - sent:.6g}s here"
         )
     return (payload, *clock_offset(sent, reply.received, reply.sent, received))
 

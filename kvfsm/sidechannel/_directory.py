@@ -11,6 +11,7 @@ from types import TracebackType
 from kvfsm.runtime import HandshakeError, PeerInfo
 from kvfsm.sidechannel._client import fetch_peer, validate
 from kvfsm.sidechannel._payload import HandshakePayload
+from kvfsm.wire import SharedSecret
 
 __all__ = ["ZmqDirectory"]
 
@@ -28,6 +29,8 @@ class ZmqDirectory:
     nothing else to do; `on_result` (if set) is called from the handshake thread whenever one
     is, e.g. to wake an engine loop. Each handshake measures the peer's clock against `clock`
     (the engines' clock, `time.monotonic`): deadlines between hosts are converted with it.
+    With `secret`, requests are tagged and only acceptances tagged for them are taken;
+    `requester` is the agent the handshakes are for (the peer then takes its notifications).
     """
 
     def __init__(
@@ -40,6 +43,8 @@ class ZmqDirectory:
         max_workers: int = 4,
         check: Callable[[HandshakePayload], None] = validate,
         clock: Callable[[], float] = time.monotonic,
+        secret: SharedSecret | None = None,
+        requester: str = "",
     ) -> None:
         if timeout_s <= 0 or max_workers < 1:
             raise ValueError(f"need timeout_s > 0 and max_workers >= 1: {timeout_s}, {max_workers}")
@@ -49,6 +54,8 @@ class ZmqDirectory:
         self.timeout_s = timeout_s
         self._check = check
         self._clock = clock  # the engines' clock, to learn each peer's offset from it
+        self._secret = secret
+        self.requester = requester
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="kvfsm-directory")
         self._ready = threading.Condition()
         self._done: list[tuple[str, _Result]] = []  # guarded by _ready
@@ -103,7 +110,8 @@ class ZmqDirectory:
         host, port = self._resolve(peer, contact)
         payload, offset, error = fetch_peer(
             host, port, peer, compat_hash=self.compat_hash, wire_version=self.wire_version,
-            timeout_s=self.timeout_s, clock=self._clock,
+            timeout_s=self.timeout_s, clock=self._clock, secret=self._secret,
+            requester=self.requester,
         )  # fmt: skip
         self._check(payload)
         return PeerInfo(payload.agent, payload.agent_metadata, payload.layout(), offset, error)

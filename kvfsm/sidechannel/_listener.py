@@ -10,6 +10,7 @@ from types import TracebackType
 
 import zmq
 
+from kvfsm.runtime import Guests
 from kvfsm.sidechannel._payload import (
     _HARD_LIMIT_BYTES,
     MAX_HANDSHAKE_BYTES,
@@ -18,9 +19,11 @@ from kvfsm.sidechannel._payload import (
     HandshakeRefused,
     HandshakeReply,
     SidechannelError,
+    Unauthenticated,
     decode_request,
     encode,
 )
+from kvfsm.wire import SharedSecret
 
 __all__ = ["HandshakeListener"]
 
@@ -41,8 +44,11 @@ class HandshakeListener:
     must not touch the fabric (build each payload in advance and look it up). Binds `host:port`
     (127.0.0.1 by default; port 0 picks a free port, see `.port`); every answer carries the
     times, on `clock` (the engines' clock), the request arrived and the answer left.
-    `.counters` counts requests by outcome (`accepted`, `refused`, `malformed`, `oversized`,
-    `errors`; disjoint).
+    With `secret`, only requests tagged with it are answered, and acceptances are tagged. Each
+    accepted requester is admitted to `guests` (shared with the engines the listener serves,
+    which take notifications only from peers they handshaked with and from guests).
+    `.counters` counts requests by outcome (`accepted`, `refused`, `unauthenticated`,
+    `malformed`, `oversized`, `errors`; disjoint).
     """
 
     def __init__(
@@ -51,8 +57,12 @@ class HandshakeListener:
         host: str = "127.0.0.1",
         port: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        secret: SharedSecret | None = None,
+        guests: Guests | None = None,
     ) -> None:
         self._payloads = payloads
+        self._secret = secret
+        self.guests = Guests() if guests is None else guests
         self._clock = clock  # the engines' clock: every answer carries it
         self.host = host
         self.counters: Counter[str] = Counter()
@@ -117,43 +127,55 @@ class HandshakeListener:
         if body and body[0] == b"":
             envelope, body = frames[:2], frames[2:]
         arrived = self._clock()
+        nonce = b""
         try:
-            reply, outcome = self._reply(body, arrived)
+            reply, outcome, nonce = self._reply(body, arrived)
         except Exception as exc:
             # A failing `payloads` must not leave the asker waiting for its whole timeout.
             reply, outcome = HandshakeRefused(f"listener error: {exc!r:.200}"), "errors"
         self.counters[outcome] += 1
+        # A refusal grants nothing: untagged, so an asker without the secret can read why.
+        secret = self._secret if isinstance(reply, HandshakeAccepted) else None
         # ROUTER drops (never blocks on) replies to peers that went away or are not reading.
-        self._socket.send_multipart([*envelope, encode(reply)], zmq.NOBLOCK)
+        self._socket.send_multipart([*envelope, encode(reply, secret, nonce)], zmq.NOBLOCK)
 
-    def _reply(self, body: list[bytes], arrived: float) -> tuple[HandshakeReply, str]:
+    def _reply(self, body: list[bytes], arrived: float) -> tuple[HandshakeReply, str, bytes]:
+        """The reply, the outcome counted, and the nonce an acceptance's tag covers."""
         size = sum(len(frame) for frame in body)
         if size > MAX_HANDSHAKE_BYTES:
             reason = f"oversized request: {size} bytes exceeds {MAX_HANDSHAKE_BYTES}"
-            return HandshakeRefused(reason), "oversized"
+            return HandshakeRefused(reason), "oversized", b""
         if len(body) != 1:
-            return HandshakeRefused(f"malformed request: {len(body)} frames, not 1"), "malformed"
+            return (
+                HandshakeRefused(f"malformed request: {len(body)} frames, not 1"),
+                "malformed",
+                b"",
+            )
         try:
-            request = decode_request(body[0])
+            request = decode_request(body[0], self._secret)
+        except Unauthenticated as exc:
+            return HandshakeRefused(f"authentication failed: {exc}"), "unauthenticated", b""
         except SidechannelError as exc:
-            return HandshakeRefused(str(exc)), "malformed"
+            return HandshakeRefused(str(exc)), "malformed", b""
         payload = self._payloads(request.agent)
         if payload is None:
-            return HandshakeRefused(f"no agent {request.agent!r} at {self.where}"), "refused"
+            return HandshakeRefused(f"no agent {request.agent!r} at {self.where}"), "refused", b""
         if request.wire_version != payload.wire_version:
             reason = (
                 f"wire version mismatch: you speak {request.wire_version}, "
                 f"{request.agent!r} speaks {payload.wire_version}"
             )
-            return HandshakeRefused(reason), "refused"
+            return HandshakeRefused(reason), "refused", b""
         if request.compat_hash != payload.compat_hash:
             reason = (
                 f"compat hash mismatch: you have {request.compat_hash}, "
                 f"{request.agent!r} has {payload.compat_hash} (model, dtype, attention geometry, "
                 f"mode or wire version differ)"
             )
-            return HandshakeRefused(reason), "refused"
-        return HandshakeAccepted(payload, arrived, self._clock()), "accepted"
+            return HandshakeRefused(reason), "refused", b""
+        if request.requester:
+            self.guests.admit(request.agent, request.requester)
+        return HandshakeAccepted(payload, arrived, self._clock()), "accepted", request.nonce
 
     # --- lifetime ------------------------------------------------------------------------------
 

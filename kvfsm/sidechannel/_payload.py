@@ -5,17 +5,20 @@ peer's agent metadata and where its KV blocks are. Both ends agree on a `compat_
 must be equal on both sides (model, dtype, attention geometry, mode, wire version); what may differ
 (TP size, block size, K/V split) travels in the payload and is checked by `validate`. Every frame is bounded
 and type-checked on decode, so garbage from the network becomes a `SidechannelError`, never a crash.
+With a deployment's shared secret, requests and acceptances are tagged (HMAC-SHA256) and checked.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import Annotated
 
 import msgspec
 
 from kvfsm.layout import KvGeometry, RegionLayout
 from kvfsm.runtime import Engine
+from kvfsm.wire import TAG_BYTES, AuthError, SharedSecret
 
 __all__ = [
     "MAX_HANDSHAKE_BYTES",
@@ -25,10 +28,12 @@ __all__ = [
     "HandshakeReply",
     "HandshakeRequest",
     "SidechannelError",
+    "Unauthenticated",
     "compat_hash",
     "decode_reply",
     "decode_request",
     "encode",
+    "new_nonce",
     "payload_of",
 ]
 
@@ -42,18 +47,29 @@ frame, so a stray peer cannot make us buffer arbitrary amounts; frames between t
 get a refusal or error saying why."""
 
 _MAGIC = b"kvhs1"  # kvfsm handshake framing v1: lets a decoder say "not ours" before parsing
+_SEALED = b"kvhm1"  # the same, tagged with the shared secret: magic, tag, body
+_NONCE_BYTES = 16
 
 
 class SidechannelError(Exception):
     """A side-channel frame or socket problem: malformed or oversized frame, port in use."""
 
 
+class Unauthenticated(SidechannelError):
+    """A frame is not tagged with this deployment's shared secret (or not for this exchange)."""
+
+
 class HandshakeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Asking side -> listener: the agent it wants, and its own wire version and compat hash."""
+    """Asking side -> listener: the agent it wants, its own wire version and compat hash, and
+    the agent asking (the listener's engines then take its notifications)."""
 
     agent: str
     wire_version: int
     compat_hash: str
+    requester: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    nonce: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
+    """Random bytes of an authenticated request: the acceptance's tag covers them, so an old
+    acceptance cannot be replayed as the answer to a new request."""
 
 
 class HandshakePayload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -122,22 +138,55 @@ _request_decoder = msgspec.msgpack.Decoder(HandshakeRequest)
 _reply_decoder = msgspec.msgpack.Decoder(HandshakeReply)
 
 
-def encode(message: _Frame) -> bytes:
-    """Encode a request or a reply as one side-channel frame."""
-    return _MAGIC + _encoder.encode(message)
+def encode(message: _Frame, secret: SharedSecret | None = None, nonce: bytes = b"") -> bytes:
+    """Encode a request or a reply as one side-channel frame; with `secret`, tagged (a reply's
+    tag also covers the `nonce` of the request it answers)."""
+    body = _encoder.encode(message)
+    if secret is None:
+        return _MAGIC + body
+    return _SEALED + secret.tag(b"kvfsm/handshake", _kind(message), nonce, body) + body
 
 
-def _body(data: bytes, what: str) -> bytes:
+def new_nonce() -> bytes:
+    """Random bytes for an authenticated request."""
+    return os.urandom(_NONCE_BYTES)
+
+
+def _kind(message: _Frame) -> bytes:
+    return b"request" if isinstance(message, HandshakeRequest) else b"reply"
+
+
+def _body(data: bytes, what: str) -> tuple[bytes, bytes | None]:
+    """A frame's body and its tag (None if untagged)."""
     if len(data) > MAX_HANDSHAKE_BYTES:
         raise SidechannelError(f"{what} of {len(data)} bytes exceeds {MAX_HANDSHAKE_BYTES}")
+    if data.startswith(_SEALED) and len(data) >= len(_SEALED) + TAG_BYTES:
+        start = len(_SEALED) + TAG_BYTES
+        return data[start:], data[len(_SEALED) : start]
     if not data.startswith(_MAGIC):
         raise SidechannelError(f"{what} is not a kvfsm handshake frame (starts {data[:8]!r})")
-    return data[len(_MAGIC) :]
+    return data[len(_MAGIC) :], None
 
 
-def decode_request(data: bytes) -> HandshakeRequest:
-    """Decode a request frame; raise `SidechannelError` saying why it is rejected."""
-    body = _body(data, "request")
+def _authenticate(
+    secret: SharedSecret, tag: bytes | None, kind: bytes, nonce: bytes, body: bytes
+) -> None:
+    if tag is None:
+        raise Unauthenticated(f"untagged {kind.decode()}: this side needs the shared secret")
+    try:
+        secret.check(tag, b"kvfsm/handshake", kind, nonce, body)
+    except AuthError:
+        raise Unauthenticated(
+            f"{kind.decode()} with a wrong tag: the other side holds another shared secret"
+        ) from None
+
+
+def decode_request(data: bytes, secret: SharedSecret | None = None) -> HandshakeRequest:
+    """Decode a request frame; raise `SidechannelError` saying why it is rejected
+    (`Unauthenticated` if `secret` is given and the frame is not tagged with it)."""
+    body, tag = _body(data, "request")
+    if secret is not None:
+        _authenticate(secret, tag, b"request", b"", body)
     try:
         request = _request_decoder.decode(body)
     # ValueError: e.g. invalid UTF-8 in a str; RecursionError: deeply nested msgpack.
@@ -148,13 +197,19 @@ def decode_request(data: bytes) -> HandshakeRequest:
     return request
 
 
-def decode_reply(data: bytes) -> HandshakeReply:
-    """Decode a reply frame; raise `SidechannelError` saying why it is rejected."""
-    body = _body(data, "reply")
+def decode_reply(
+    data: bytes, secret: SharedSecret | None = None, nonce: bytes = b""
+) -> HandshakeReply:
+    """Decode a reply frame; raise `SidechannelError` saying why it is rejected. With `secret`,
+    an acceptance must be tagged with it for the request of `nonce` (`Unauthenticated`); a
+    refusal grants nothing and is taken untagged (it may say why the handshake failed)."""
+    body, tag = _body(data, "reply")
     try:
         reply: HandshakeReply = _reply_decoder.decode(body)
     except (msgspec.MsgspecError, ValueError, RecursionError) as exc:
         raise SidechannelError(f"malformed reply: {exc}") from exc
+    if secret is not None and isinstance(reply, HandshakeAccepted):
+        _authenticate(secret, tag, b"reply", nonce, body)
     return reply
 
 

@@ -4,7 +4,7 @@ Two explored states with the same fingerprint have the same futures, as far as t
 tell: per engine its requests by key (random ids become `r1@P`, `r1@D`) with their state, flags,
 tally and links, its deadlines, peers, transfers, handshakes, routes, tombstones and unmatched
 registrations; the network's pending events in delivery order (messages decoded, block lists as
-lengths); the ledger's books; faults used; aborts spent. Times are relative to now, and those
+lengths) and who handshaked with whom; the ledger's books; faults used; aborts spent. Times are relative to now, and those
 older than every bound are one value. Left out, as they steer nothing: random ids and blocks,
 random generators, counters, and how a settled request (no engine holds it, no pending event
 names it) ended. It reads private state of the simulated network and the cores (the price of a
@@ -163,7 +163,8 @@ def _network_print(c: SimCluster, n: Namer) -> Hashable:
     dice: Any = getattr(c.network, "_dice")  # noqa: B009
     scripted = [(a, tuple(q)) for a, q in sorted(dice._posts.items()) if q]
     failing = sorted((a, k) for a, k in c.directory._failures.items() if k)
-    return repr((events, scripted, failing, sorted(c.dead)))
+    guests = sorted(c.directory.guests.pairs())  # whose notifications each engine takes
+    return repr((events, scripted, failing, sorted(c.dead), guests))
 
 
 def message_print(payload: bytes, n: Namer) -> tuple[Any, ...]:

@@ -43,6 +43,7 @@ from kvfsm.layout import KvGeometry
 from kvfsm.runtime import CallerOutput, DirectoryView, Engine, KvCache, LocalDirectory
 from kvfsm.testing._invariants import Conformance, Ledger
 from kvfsm.testing._pattern import request_seed, write_request
+from kvfsm.wire import SharedSecret
 
 __all__ = ["FAST_CONFIG", "SIM_GEOMETRY", "SIM_MLA_GEOMETRY", "PairedRequest", "SimCluster"]
 
@@ -102,6 +103,7 @@ class SimCluster:
         fabric: Literal["sim", "nixl"] = "sim",
         ucx_error_handling: UcxErrorHandling = UCX_ERROR_HANDLING_DEFAULT,
         clock_skew: Mapping[str, float] | None = None,
+        secret: SharedSecret | None = None,
     ) -> None:
         """P's ranks use `geometry` (with `num_blocks`), D's the same with `d_block_size` tokens
         per block (default: P's; it must be a multiple of P's).
@@ -112,13 +114,16 @@ class SimCluster:
         on its own); faults, kills and revivals exist on the simulated fabric only. `close()`
         releases the agents; `ucx_error_handling` is their UCX error handling mode.
         `clock_skew` maps a side ("P", "D") to seconds added to its engines' clocks: hosts
-        whose monotonic clocks started at different times."""
+        whose monotonic clocks started at different times. `secret`: the engines' shared
+        secret (every notification sealed and checked); engines take notifications only from
+        peers that handshaked with them or they with."""
         self.mode: Mode = mode
         self.config = config
         self.network = SimNetwork(seed, faults)
         self.real = fabric == "nixl"
         self.clock_skew = {"P": 0.0, "D": 0.0, **(clock_skew or {})}
         self.ucx_error_handling: UcxErrorHandling = ucx_error_handling
+        self.secret = secret
         self._t0 = time.monotonic()
         self.directory = LocalDirectory(lambda: self.now, 0.0 if self.real else handshake_latency)
         base = msgspec.structs.replace(geometry, num_blocks=num_blocks)
@@ -178,8 +183,10 @@ class SimCluster:
         kv = KvCache.allocate(self.geometry[side].for_rank(rank))
         skew = self.clock_skew[side]
         clock = (lambda: self.now + skew) if skew else (lambda: self.now)
-        self._views[agent] = view = self.directory.view(clock)
-        engine = Engine(core, fabric, kv, view, clock)
+        self._views[agent] = view = self.directory.view(clock, agent)
+        engine = Engine(
+            core, fabric, kv, view, clock, secret=self.secret, guests=self.directory.guests
+        )
         self.engines[agent] = engine
         self.directory.publish(agent, engine.info, clock)
         self.dead.discard(agent)

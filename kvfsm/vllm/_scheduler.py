@@ -66,7 +66,9 @@ class SchedulerSide:
         by_agent = {p.agent: p for p in payloads}
         host = self.settings.side_channel_host
         try:
-            self.listener = HandshakeListener(by_agent.get, host, self.port)
+            self.listener = HandshakeListener(
+                by_agent.get, host, self.port, secret=self.settings.secret()
+            )
         except Exception as exc:
             raise RuntimeError(
                 f"kvfsm: cannot listen for handshakes on {host}:{self.port} ({exc}); set"

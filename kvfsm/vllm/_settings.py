@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -9,6 +10,7 @@ import msgspec
 
 from kvfsm.core import CoreConfig, Mode
 from kvfsm.fabric import UCX_ERROR_HANDLING_DEFAULT, UcxErrorHandling
+from kvfsm.wire import SharedSecret
 
 __all__ = ["KvfsmSettings", "SettingsError"]
 
@@ -54,6 +56,11 @@ class KvfsmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     host (faster, no stall of a WRITE behind a notification) but leaves a crashed peer to the
     core's deadlines (`stall_s`, `watchdog_s`, `lease_s`), and on RDMA a peer's failure may be
     fatal to this process. Figures and the decision: docs/runtime.md."""
+    shared_secret_env: str = "KVFSM_SHARED_SECRET"
+    """The environment variable holding the deployment's shared secret (at least 16 bytes; the
+    same on every P and D engine). Set, it authenticates every handshake and notification
+    (HMAC-SHA256); unset or empty, peers are not authenticated (docs/security.md). The secret
+    itself is not a setting: vLLM logs its configuration."""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> KvfsmSettings:
@@ -84,8 +91,20 @@ class KvfsmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             )
         if not 0 < self.poll_min_us <= self.poll_max_us or (self.poll_hot_us or 0) < 0:
             problems.append("need 0 < poll_min_us <= poll_max_us and poll_hot_us >= 0")
+        try:
+            self.secret()
+        except SettingsError as exc:
+            problems.append(str(exc))
         if problems:
             raise SettingsError("kv_connector_extra_config: " + "; ".join(problems))
+
+    def secret(self) -> SharedSecret | None:
+        """The shared secret from `$shared_secret_env`, or None if it is unset or empty."""
+        value = os.environ.get(self.shared_secret_env, "") if self.shared_secret_env else ""
+        try:
+            return SharedSecret(value) if value else None
+        except ValueError as exc:
+            raise SettingsError(f"${self.shared_secret_env}: {exc}") from None
 
     def core_config(self) -> CoreConfig:
         """The deadlines and bounds of the core."""

@@ -89,11 +89,14 @@ class WorkerSide:
             check = functools.partial(
                 validate, expect_mode=s.mode, local=geometry, local_is_p=self.is_producer
             )
+            secret = s.secret()
             self._directory = ZmqDirectory(
                 {}, compat_hash=chash, wire_version=WIRE_VERSION,
-                timeout_s=s.handshake_timeout_s, check=check,
+                timeout_s=s.handshake_timeout_s, check=check, secret=secret,
+                requester=me.agent,
             )  # fmt: skip
-            self.engine = Engine(core, fabric, kv, self._directory, time.monotonic)
+            # No `guests`: the listener runs in the scheduler's process (docs/security.md).
+            self.engine = Engine(core, fabric, kv, self._directory, time.monotonic, secret=secret)
             self.payload = payload_of(self.engine, compat_hash=chash, wire_version=WIRE_VERSION)
         except BaseException:
             self._close_parts()

@@ -1,5 +1,6 @@
 """Wire messages between engines and their codec."""
 
+from kvfsm.wire._auth import MIN_SECRET_BYTES, TAG_BYTES, AuthError, SharedSecret, is_sealed
 from kvfsm.wire._messages import (
     MAX_MESSAGE_BYTES,
     BlockIds,
@@ -22,6 +23,9 @@ from kvfsm.wire._messages import (
 
 __all__ = [
     "MAX_MESSAGE_BYTES",
+    "MIN_SECRET_BYTES",
+    "TAG_BYTES",
+    "AuthError",
     "BlockIds",
     "Cancel",
     "CancelAck",
@@ -32,10 +36,12 @@ __all__ = [
     "Message",
     "Progress",
     "Registration",
+    "SharedSecret",
     "WireError",
     "base_request_id",
     "decode",
     "encode",
+    "is_sealed",
     "pack_blocks",
     "unpack_blocks",
 ]

@@ -33,6 +33,20 @@ def test_settings_refuse_what_is_wrong(extra: dict[str, object], match: str) -> 
         KvfsmSettings.from_extra_config(extra)
 
 
+def test_shared_secret_comes_from_the_named_environment_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("KVFSM_SHARED_SECRET", raising=False)
+    assert KvfsmSettings.from_extra_config(None).secret() is None  # unset: no authentication
+    monkeypatch.setenv("MY_SECRET", "s" * 32)
+    s = KvfsmSettings.from_extra_config({"shared_secret_env": "MY_SECRET"})
+    secret = s.secret()
+    assert secret is not None and "s" * 32 not in repr(s) + repr(secret)
+    monkeypatch.setenv("MY_SECRET", "short")  # refused at start-up, naming the variable
+    with pytest.raises(SettingsError, match=r"\$MY_SECRET: a shared secret needs at least 16"):
+        KvfsmSettings.from_extra_config({"shared_secret_env": "MY_SECRET"})
+
+
 def _p_params(**override: object) -> dict[str, object]:
     params = producer_params(
         request_id="cmpl-1", block_ids=[3, 4], engine_id="P-engine", host="10.0.0.1", port=5600,

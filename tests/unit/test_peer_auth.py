@@ -1,0 +1,98 @@
+"""Who an engine takes notifications from, on the simulated fabric: peers that completed a
+handshake (either way), and with a shared secret only what a holder of it sealed for exactly this
+sender and receiver. Everything else is counted and dropped, and the request it aimed at is served
+as if it had never come."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfsm.core import Mode
+from kvfsm.runtime import Guests
+from kvfsm.testing import SimCluster
+from kvfsm.wire import AuthError, Registration, SharedSecret, encode, pack_blocks
+
+MODES: tuple[Mode, ...] = ("push", "pull")
+SECRET = SharedSecret(b"0123456789abcdef-kvfsm-tests")
+
+
+def _registration(pr_p_id: str, blocks: list[int]) -> bytes:
+    return encode(Registration(pr_p_id, "forged-00000000", 0, 1, "X", pack_blocks(blocks), 1e9, ""))
+
+
+def _blocks_untouched(c: SimCluster, key: str) -> None:
+    assert c.ledger.violations == [] and c.ledger.quiescence() == []
+    assert set(c.requests[key].final.values()) == {"done"}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_stranger_with_ps_metadata_is_not_heard(mode: Mode) -> None:
+    c = SimCluster(mode)
+    pr = c.admit("r", 2)
+    # An agent that got P's metadata without a handshake (NIXL would deliver its notifications)
+    # registers other blocks for P's request, first: P must not match it.
+    stranger = c.network.agent("X#0")
+    stranger.add_remote_agent(c.engines["P#0"].fabric.get_agent_metadata())
+    stranger.send_notif("P#0", _registration(pr.p_id, [0]))
+    c.finish_prefill("r")
+    c.settle()
+    _blocks_untouched(c, "r")
+    p = c.engines["P#0"]
+    assert p.counters["stranger"] == 1
+    assert not any(k in p.side.counters for k in ("duplicate", "protocol_error", "rejected"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_with_a_secret_requests_are_served_and_unsealed_words_are_dropped(mode: Mode) -> None:
+    c = SimCluster(mode, secret=SECRET)
+    assert c.serve("warm", 2) == {"P#0": "done", "D#0": "done"}
+    pr = c.admit("r", 2)
+    d = c.engines["D#0"].fabric  # a peer P knows, but this message is not sealed ...
+    d.send_notif("P#0", _registration(pr.p_id, [0]))
+    # ... and this one is sealed by a holder of another secret.
+    other = SharedSecret(b"another-secret-of-16-bytes")
+    d.send_notif("P#0", other.seal("D#0", "P#0", _registration(pr.p_id, [1])))
+    c.finish_prefill("r")
+    c.settle()
+    _blocks_untouched(c, "r")
+    assert c.engines["P#0"].counters["unauthenticated"] == 2
+    assert c.engines["D#0"].counters["unauthenticated"] == 0
+
+
+def test_an_engine_without_the_secret_drops_sealed_notifications() -> None:
+    c = SimCluster("push")
+    assert c.serve("warm", 2) == {"P#0": "done", "D#0": "done"}
+    pr = c.admit("r", 2)
+    sealed = SECRET.seal("D#0", "P#0", _registration(pr.p_id, [0]))
+    c.engines["D#0"].fabric.send_notif("P#0", sealed)
+    c.finish_prefill("r")
+    c.settle()
+    _blocks_untouched(c, "r")
+    assert c.engines["P#0"].counters["unauthenticated"] == 1
+
+
+def test_a_seal_binds_sender_receiver_and_bytes() -> None:
+    payload = b"kv1-anything"
+    sealed = SECRET.seal("D#0", "P#0", payload)
+    assert SECRET.open("D#0", "P#0", sealed) == payload
+    for sender, receiver, data in [
+        ("D#1", "P#0", sealed),  # moved to another sender
+        ("D#0", "P#1", sealed),  # or receiver
+        ("D#0", "P#0", sealed[:-1] + b"!"),  # altered
+        ("D#0", "P#0", payload),  # not sealed
+    ]:
+        with pytest.raises(AuthError):
+            SECRET.open(sender, receiver, data)
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        SharedSecret("short")
+    assert "0123" not in repr(SECRET)
+
+
+def test_guests_are_bounded_least_recently_admitted_first() -> None:
+    guests = Guests(limit=2)
+    guests.admit("P#0", "D#0")
+    guests.admit("P#0", "D#1")
+    guests.admit("P#0", "D#0")  # admitted again: now the most recent
+    guests.admit("P#0", "D#2")
+    assert [guests.admitted("P#0", d) for d in ("D#0", "D#1", "D#2")] == [True, False, True]
+    assert len(guests) == 2 and not guests.admitted("P#1", "D#0")
