@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-installed
 
-.PHONY: demo demo-sim test bench-vllm plots lint typecheck diagrams bench soak clean
+.PHONY: demo demo-sim test bench-vllm plots lint typecheck diagrams bench soak fuzz clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -52,6 +52,17 @@ test: $(STAMP) $(VLLM_STAMP)
 
 soak: $(STAMP)
 	HYPOTHESIS_PROFILE=soak $(BIN)/pytest -q tests/stateful -p no:cacheprovider
+
+# Coverage-guided fuzzing (atheris, i.e. libFuzzer) of the notification codec, the side channel's
+# request and reply decoders and the scenario loader, FUZZ_SECONDS per target. Each corpus grows
+# in .fuzz/TARGET/corpus (ignored by git); a crash stops the run, its input in .fuzz/TARGET/.
+FUZZ_SECONDS ?= 60
+fuzz: $(STAMP)
+	for t in wire request reply scenario; do \
+	  mkdir -p .fuzz/$$t && \
+	  KVFSM_FUZZ_SCRATCH=.fuzz $(BIN)/python tests/fuzz/atheris_fuzz.py $$t \
+	    -max_total_time=$(FUZZ_SECONDS) -artifact_prefix=.fuzz/$$t/ .fuzz/$$t/corpus || exit 1; \
+	done
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/control_plane.py

@@ -30,9 +30,10 @@ from kvfsm.core._io import (
     TransferResult,
 )
 from kvfsm.core._producer import ConsumerLink, Producer
-from kvfsm.core._side import Peer, Request, Side, TransferTally
+from kvfsm.core._side import MAX_PEERS, Peer, Request, Side, TransferTally
 
 __all__ = [
+    "MAX_PEERS",
     "Abort",
     "Admit",
     "CancelTransfer",

@@ -101,4 +101,10 @@ class PendingRegistrations:
             names.append((self._by_id, message.request_id))
         else:
             names.append((self._by_base, base_request_id(message.sender_request_id)))
-        return [n for i, n in enumerate(names) if n not in names[:i]]
+        # The same index twice with the same name is one entry; indexes compare by identity
+        # (two empty dicts are equal, yet by-id and by-base are different places).
+        return [
+            (index, name)
+            for i, (index, name) in enumerate(names)
+            if not any(index is seen and name == other for seen, other in names[:i])
+        ]

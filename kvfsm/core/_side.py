@@ -36,10 +36,13 @@ from kvfsm.core._io import (
 from kvfsm.lifecycle import LocalProtocolError, ProtocolError, RemoteProtocolError, load
 from kvfsm.wire import BlockIds, Message, WireError, decode, encode
 
-__all__ = ["Peer", "Request", "Side", "TransferTally"]
+__all__ = ["MAX_PEERS", "Peer", "Request", "Side", "TransferTally"]
 
 _MAX_ERRORS_KEPT = 64
 _MAX_OUTBOX = 256  # replies queued for one peer that is not connected yet
+MAX_PEERS = 4096
+"""Peers a side remembers; past it, inert ones (never connected, failed or evicted; unused) go."""
+_INERT = frozenset(("unknown", "failed", "evicted"))
 _FEW_BLOCKS = 32  # up to this many ids, a list's min/max beats numpy's (~1 us per reduction)
 
 
@@ -259,10 +262,24 @@ class Side:
         (a restarted peer may listen elsewhere)."""
         peer = self.peers.get(agent)
         if peer is None:
+            if len(self.peers) >= MAX_PEERS:
+                self._forget_inert_peers()
             peer = self.peers[agent] = Peer(agent, contact=contact)
         elif contact:
             peer.contact = contact
         return peer
+
+    def _forget_inert_peers(self) -> None:
+        """Drop peers nothing needs: only a contact learned, failed or evicted (no agent
+        loaded), with nobody waiting and no request naming them (a new request meets such a
+        peer afresh, as `unknown`).
+        Bounds memory under messages from ever new agent names."""
+        named = {agent for req in self.requests.values() for agent in req.peers}
+        for agent, peer in list(self.peers.items()):
+            inert = peer.state in _INERT and not peer.waiters and not peer.outbox
+            if inert and agent not in named:
+                del self.peers[agent]
+                self.counters["peers_forgotten"] += 1
 
     def _reply(self, agent: str, message: Message, contact: str = "") -> None:
         """Send `message` to `agent`, connecting first (at `contact`, if given) if needed, with

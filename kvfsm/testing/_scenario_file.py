@@ -212,11 +212,21 @@ def load_scenario(path: str | Path) -> Scenario:
     if len(data) > MAX_SCENARIO_BYTES:
         raise ScenarioError(f"{path}: larger than {MAX_SCENARIO_BYTES} bytes")
     try:
-        scenario = msgspec.toml.decode(data, type=Scenario)
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:  # msgspec would raise it raw: say where instead
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise ScenarioError(
+            f"{path}: not UTF-8 text: {exc.reason} (at line {line}, byte {column})"
+        ) from None
+    try:
+        scenario = msgspec.toml.decode(text, type=Scenario)
     except msgspec.ValidationError as exc:
         raise ScenarioError(f"{path}: {exc}") from None
     except msgspec.DecodeError as exc:
         raise ScenarioError(f"{path}: not valid TOML: {exc}") from None
+    except RecursionError:  # tomllib parses nested arrays and inline tables recursively
+        raise ScenarioError(f"{path}: not valid TOML: arrays or tables nested too deeply") from None
     if not scenario.name:
         scenario = msgspec.structs.replace(scenario, name=path.stem)
     problems = _problems(scenario)
