@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 
@@ -38,6 +38,7 @@ from kvfsm.sidechannel import compat_hash
 
 __all__ = ["LOOPS", "Poll1msLoop", "bench_handoff", "run_loop"]
 
+T = TypeVar("T")
 LoopKind = Literal["event", "poll1ms"]
 LOOPS: tuple[LoopKind, ...] = ("event", "poll1ms")
 _WARMUP = 3  # requests left out of the figures: the first one pays the handshake
@@ -57,7 +58,9 @@ class Poll1msLoop:
     ) -> None:
         self.engine, self.on_output, self.interval_s = engine, on_output, interval_s
         self.errors: list[str] = []
-        self._inbox: queue.SimpleQueue[tuple[Event, Future[None]]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[Callable[[Engine], Any], Future[Any]]] = (
+            queue.SimpleQueue()
+        )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="poll1ms-loop", daemon=True)
 
@@ -68,8 +71,12 @@ class Poll1msLoop:
 
     def submit(self, event: Event) -> Future[None]:
         """Queue `event` for the next tick."""
-        future: Future[None] = Future()
-        self._inbox.put((event, future))
+        return self.call(lambda engine: engine.submit(event))
+
+    def call(self, fn: Callable[[Engine], T]) -> Future[T]:
+        """Queue `fn(engine)` for the next tick."""
+        future: Future[T] = Future()
+        self._inbox.put((fn, future))
         return future
 
     def wake(self) -> None:
@@ -84,10 +91,9 @@ class Poll1msLoop:
         try:
             while not self._stop.wait(self.interval_s):
                 while not self._inbox.empty():
-                    event, future = self._inbox.get()
+                    fn, future = self._inbox.get()
                     try:
-                        self.engine.submit(event)
-                        future.set_result(None)
+                        future.set_result(fn(self.engine))
                     except Exception as exc:  # the caller's protocol error, as EngineLoop does
                         future.set_exception(exc)
                 try:

@@ -1,9 +1,10 @@
 """One engine rank of `kvfsm demo --fabric nixl`, in a process of its own.
 
 It owns a NIXL agent, its KV cache, a handshake listener and an `EngineLoop`; its main thread
-takes the driver's commands from a pipe (peers' addresses, admissions, stop). P's "prefill"
-writes each request's recognisable pattern; D checks every byte of its share on a reporter
-thread, off the engine's loop, before it reports the request received.
+takes the driver's commands from a pipe (peers' addresses, admissions, stop, and for tests
+`probe`, `fill` and `check_fill`). P's "prefill" writes each request's recognisable pattern; D
+checks every byte of its share on a reporter thread, off the engine's loop, before it reports
+the request received. The reporter also tells the driver of every release of blocks.
 """
 
 from __future__ import annotations
@@ -37,9 +38,20 @@ if TYPE_CHECKING:
     from kvfsm.core import Side
     from kvfsm.runtime import CallerOutput, Engine, KvCache
 
-__all__ = ["LoopFactory", "Rank", "RankLoop", "RankSpec", "close_rank", "open_rank", "rank_main"]
+__all__ = [
+    "HANDSHAKE_TIMEOUT_S",
+    "LoopFactory",
+    "Rank",
+    "RankLoop",
+    "RankSpec",
+    "close_rank",
+    "open_rank",
+    "rank_main",
+]
 
 WIRE_VERSION = 1
+HANDSHAKE_TIMEOUT_S = 10.0
+"""How long a rank's handshake waits for a peer's listener before it fails, by default."""
 
 
 class RankSpec(msgspec.Struct, frozen=True):
@@ -53,6 +65,10 @@ class RankSpec(msgspec.Struct, frozen=True):
     compat_hash: str
     ucx_error_handling: UcxErrorHandling = UCX_ERROR_HANDLING_DEFAULT
     config: CoreConfig = msgspec.field(default_factory=CoreConfig)
+    host: str = "127.0.0.1"  # where the handshake listener binds (a veth address across hosts)
+    port: int = 0  # the listener's port (0: a free one; a restarted rank may want its old one)
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
+    secret: bytes = b""  # the deployment's shared secret (empty: none)
 
 
 class RankLoop(Protocol):
@@ -67,6 +83,10 @@ class RankLoop(Protocol):
 
     def submit(self, event: Event) -> Future[None]:
         """Hand the engine an event."""
+        ...
+
+    def call(self, fn: Callable[[Engine], Any]) -> Future[Any]:
+        """Run `fn(engine)` on the loop's thread."""
         ...
 
     def wake(self) -> None:
@@ -112,14 +132,24 @@ def open_rank(
     compat_hash: str,
     ucx_error_handling: UcxErrorHandling = UCX_ERROR_HANDLING_DEFAULT,
     coalesce: bool = False,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+    secret: bytes = b"",
 ) -> Rank:
     """A NIXL agent for `core`'s side with `kv` registered, its engine, the ZMQ directory that
     reaches peers' listeners (validating their payloads against `kv`'s geometry) and its own
-    listener. The caller drives the engine (an `EngineLoop`, whose `wake` the directory's
-    `on_result` should call) and closes the rank with `close_rank`."""
+    listener on `host:port` (port 0: a free one); a handshake waits `handshake_timeout_s` for a
+    peer's listener. The caller drives the engine (an `EngineLoop`, whose `wake` the directory's
+    `on_result` should call) and closes the rank with `close_rank`. `secret` (if not empty):
+    handshakes and notifications are authenticated with it; the engine takes notifications only
+    from peers that completed a handshake."""
     from kvfsm.fabric import NixlFabric
-    from kvfsm.runtime import Engine
+    from kvfsm.runtime import Engine, Guests
     from kvfsm.sidechannel import HandshakeListener, ZmqDirectory, payload_of, validate
+    from kvfsm.wire import SharedSecret
+
+    shared = SharedSecret(secret) if secret else None
 
     fabric = NixlFabric(core.identity.agent, ucx_error_handling=ucx_error_handling)
     addresses: dict[str, tuple[str, int]] = {}
@@ -127,21 +157,31 @@ def open_rank(
         validate, expect_mode=core.mode, local=kv.geometry, local_is_p=core.side == "P"
     )
     directory = ZmqDirectory(
-        addresses, compat_hash=compat_hash, wire_version=WIRE_VERSION, timeout_s=10.0,
-        check=check,
+        addresses, compat_hash=compat_hash, wire_version=WIRE_VERSION,
+        timeout_s=handshake_timeout_s,
+        check=check, secret=shared, requester=core.identity.agent,
     )  # fmt: skip
-    engine = Engine(core, fabric, kv, directory, time.monotonic, coalesce=coalesce)
+    guests = Guests()  # who handshaked with the listener: the engine takes their notifications
+    engine = Engine(
+        core, fabric, kv, directory, time.monotonic, coalesce=coalesce, secret=shared,
+        guests=guests,
+    )  # fmt: skip
     payload = payload_of(engine, compat_hash=compat_hash, wire_version=WIRE_VERSION)
-    listener = HandshakeListener({engine.agent: payload}.get)
+    listener = HandshakeListener(
+        {engine.agent: payload}.get, host=host, port=port, secret=shared, guests=guests
+    )
     return Rank(engine, fabric, directory, listener, addresses)
 
 
-def close_rank(rank: Rank, loop: RankLoop) -> None:
-    """Stop the loop (it closes the engine), then the listener, the directory and the agent."""
+def close_rank(rank: Rank, loop: RankLoop) -> dict[str, int]:
+    """Stop the loop (it closes the engine), then the listener, the directory and the agent;
+    returns what the agent still held once the engine had closed (nothing, unless a leak)."""
     loop.stop()
+    leftovers: dict[str, int] = rank.fabric.open_resources()
     rank.listener.close()
     rank.directory.close()
     rank.fabric.close()
+    return leftovers
 
 
 def _serve(spec: RankSpec, conn: Connection, send: _Sender, make_loop: LoopFactory | None) -> None:
@@ -155,8 +195,10 @@ def _serve(spec: RankSpec, conn: Connection, send: _Sender, make_loop: LoopFacto
     )
     kv = KvCache.allocate(g)
     rank = open_rank(
-        core, kv, compat_hash=spec.compat_hash, ucx_error_handling=spec.ucx_error_handling
-    )
+        core, kv, compat_hash=spec.compat_hash, ucx_error_handling=spec.ucx_error_handling,
+        host=spec.host, port=spec.port, secret=spec.secret,
+        handshake_timeout_s=spec.handshake_timeout_s,
+    )  # fmt: skip
     engine, directory, listener, addresses = (
         rank.engine, rank.directory, rank.listener, rank.addresses
     )  # fmt: skip
@@ -166,10 +208,7 @@ def _serve(spec: RankSpec, conn: Connection, send: _Sender, make_loop: LoopFacto
     loop.start()
     send(("ready", listener.port))
     try:
-        while True:
-            msg: tuple[Any, ...] = conn.recv()
-            if msg[0] == "stop":
-                break
+        while (msg := conn.recv())[0] != "stop":
             if msg[0] == "peers":
                 addresses.update(msg[1])
             elif msg[0] == "admit_p":
@@ -184,10 +223,43 @@ def _serve(spec: RankSpec, conn: Connection, send: _Sender, make_loop: LoopFacto
                 _, key, rid, blocks, p_rid, tokens = msg
                 reporter.expect(rid, key, tokens)
                 _watch(loop.submit(Admit(rid, blocks, "P", spec.peer_tp, p_rid)), send)
+            else:
+                _inspect(msg, kv, loop, send)
     finally:
-        close_rank(rank, loop)
+        leftovers = close_rank(rank, loop)
         reporter.stop()
-        send(("counters", dict(engine.counters + core.counters), list(loop.errors)))
+        send(("counters", dict(engine.counters + core.counters), list(loop.errors), leftovers))
+
+
+def _inspect(msg: tuple[Any, ...], kv: KvCache, loop: RankLoop, send: _Sender) -> None:
+    """The test hooks of the pipe protocol: what the engine holds (`probe`), and filling blocks
+    the engine handed back with a byte (`fill`) to see later whether anything wrote into them
+    (`check_fill`: a late write)."""
+    kind = msg[0]
+    if kind == "probe":
+        send(("probe", loop.call(_holdings).result(timeout=30.0)))
+    elif kind in ("fill", "check_fill"):
+        _, blocks, byte = msg
+        g = kv.geometry
+        rows = [region.reshape(g.num_blocks, -1) for region in kv.regions()]
+        if kind == "fill":
+            for row in rows:
+                row[blocks] = byte
+            send(("filled",))
+        else:
+            send(("fill_check", sum(int((row[blocks] != byte).sum()) for row in rows)))
+    else:
+        send(("error", f"unknown command {kind!r}"))
+
+
+def _holdings(engine: Engine) -> dict[str, int]:
+    """What an engine still holds: live requests, transfers in flight, armed deadlines, and its
+    agent's handles, lists, peers and registrations (run on the loop's thread)."""
+    side = engine.side
+    held = {"requests": len(side.requests), "inflight": len(engine.inflight)}
+    held["deadlines"] = len(side.deadlines)
+    resources: dict[str, int] = engine.fabric.open_resources()  # type: ignore[attr-defined]
+    return held | resources
 
 
 class _Sender:
@@ -233,7 +305,7 @@ class _Reporter:
         self._thread.join()
 
     def _run(self) -> None:
-        from kvfsm.core import ReportFailed, ReportReceived
+        from kvfsm.core import ReleaseBlocks, ReportFailed, ReportReceived
         from kvfsm.runtime import RequestTrace
         from kvfsm.testing import check_request, request_seed
 
@@ -249,6 +321,8 @@ class _Reporter:
             elif isinstance(out, ReportFailed):
                 self._expected.pop(out.request_id, None)
                 self._send(("failed", out.request_id))
+            elif isinstance(out, ReleaseBlocks):  # a leak or double release shows here
+                self._send(("released", out.request_id, [int(b) for b in out.blocks]))
             elif isinstance(out, RequestTrace):
                 stats = msgspec.to_builtins(out.stats)
                 self._send(("finished", out.request_id, out.state, out.history, stats))

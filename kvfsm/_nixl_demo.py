@@ -10,6 +10,7 @@ request on every rank, and frees the blocks once every rank of that side finishe
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import random
 import time
 from collections import Counter
@@ -81,12 +82,18 @@ def run_nixl_demo(
         dtype=DTYPES[model],
         geometry=geometry["P"],
     )
+    # The demo runs as a deployment should: its ranks share a fresh secret that authenticates
+    # every handshake and notification (docs/security.md).
+    secret = os.urandom(32)
     ctx = mp.get_context("spawn")
     pipes: dict[str, Connection] = {}
     procs: dict[str, Any] = {}
     for side, tp, peer_tp in (("P", p_tp, d_tp), ("D", d_tp, p_tp)):
         for rank in range(tp):
-            spec = RankSpec(side, mode, geometry[side].for_rank(rank), peer_tp, p_block_size, hash_)
+            spec = RankSpec(
+                side, mode, geometry[side].for_rank(rank), peer_tp, p_block_size, hash_,
+                secret=secret,
+            )  # fmt: skip
             parent, child = ctx.Pipe()
             agent = agent_name(side, rank)
             procs[agent] = ctx.Process(target=rank_main, args=(spec, child), daemon=True)

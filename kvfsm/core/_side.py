@@ -88,9 +88,22 @@ class Peer(msgspec.Struct, gc=False):
     waiters: dict[str, None] = msgspec.field(default_factory=dict)
     outbox: list[bytes] = msgspec.field(default_factory=list)
     contact: str = ""  # where its side channel listens, once learned
-    clock_offset: float = 0.0  # its clock minus ours, from the last handshake
+    clock_offset: float = 0.0  # its clock minus ours, from the handshakes
     clock_error: float = 0.0  # how far off that offset may be (half the handshake's transit)
+    clock_measured: bool = False  # whether a handshake measured them yet
     idle_since: float = 0.0  # when a sweep last saw a live request use it
+
+    def measured(self, offset: float, error: float) -> None:
+        """Take one handshake's estimate of the peer's clock. Consistent with what earlier ones
+        said (the intervals meet), it narrows the estimate to what both allow, so one slow
+        handshake (answered after an outage) cannot widen it; inconsistent (the peer's clock is
+        another one now: a host restarted), it replaces it."""
+        lo = max(self.clock_offset - self.clock_error, offset - error)
+        hi = min(self.clock_offset + self.clock_error, offset + error)
+        if self.clock_measured and lo <= hi:
+            self.clock_offset, self.clock_error = (lo + hi) / 2, (hi - lo) / 2
+        else:
+            self.clock_offset, self.clock_error, self.clock_measured = offset, error, True
 
 
 class Side:
@@ -209,7 +222,7 @@ class Side:
     def _on_handshake_done(self, event: HandshakeDone) -> None:
         peer = self.peers.get(event.peer)
         if peer is not None:
-            peer.clock_offset, peer.clock_error = event.clock_offset, event.clock_error
+            peer.measured(event.clock_offset, event.clock_error)
             peer.idle_since = self._now
             if self._next_peer_sweep is None:
                 self._next_peer_sweep = self._now + self.config.peer_idle_ttl_s / 2

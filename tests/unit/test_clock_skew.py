@@ -75,3 +75,20 @@ def test_a_handshake_held_long_by_the_peer_keeps_the_offset_precise() -> None:
     peer = c.engines["D#0"].side.peers["P#0"]
     assert peer.clock_error == pytest.approx(0.005)
     assert c.requests["r1"].final == {"P#0": "done", "D#0": "done"}
+
+
+def test_a_slow_handshake_cannot_widen_what_earlier_ones_measured() -> None:
+    """A handshake answered only after an outage (a long round trip) says little about the
+    peer's clock; taken as it is, every deadline from that peer would look seconds early for
+    good (found by tests/netns: no grant or registration was honoured after a restart)."""
+    from kvfsm.core import Peer
+
+    peer = Peer("D#0")
+    peer.measured(100.0, 0.001)
+    peer.measured(97.0, 3.5)  # consistent, but 3,500 times vaguer: nothing changes
+    assert (peer.clock_offset, peer.clock_error) == pytest.approx((100.0, 0.001))
+    peer.measured(100.0005, 0.001)  # consistent and as tight: the overlap is kept
+    assert peer.clock_offset == pytest.approx(100.00025)
+    assert peer.clock_error == pytest.approx(0.00075)
+    peer.measured(500.0, 0.002)  # disjoint: the peer's clock is another one now
+    assert (peer.clock_offset, peer.clock_error) == (500.0, 0.002)
