@@ -393,7 +393,7 @@ def test_a_cut_link_leaks_nothing(cut: _Run) -> None:
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
-    reason="known bug, in the core's fence (kvfsm/core, another engineer's): a cut transfer's "
+    reason="known bug, in the fence over UCX/TCP: a cut transfer's "
     "bytes wait in P's TCP socket and land in D's blocks when the link returns, after D handed "
     "them back; releasing a NIXL handle does not recall them (docs/testing.md)",
 )
