@@ -217,8 +217,10 @@ def _serve(spec: RankSpec, conn: Connection, send: _Sender, make_loop: LoopFacto
                 if corrupt:  # the negative control: one wrong byte D must notice
                     kv.regions()[0].reshape(g.num_blocks, g.block_len)[blocks[0], 0] ^= 0xFF
                 _watch(loop.submit(Admit(rid, blocks)), send)
+                # Through the reporter, so the driver hears it before P's "finished" (which
+                # the reporter sends too): sent from here, it raced that and lost on loopback.
+                reporter.relay(("prefilled", key, time.monotonic()))  # hand-off starts here
                 _watch(loop.submit(PrefillFinished(rid, blocks)), send)
-                send(("prefilled", key, time.monotonic()))  # hand-off latency starts here
             elif msg[0] == "admit_d":
                 _, key, rid, blocks, p_rid, tokens = msg
                 reporter.expect(rid, key, tokens)
@@ -300,6 +302,10 @@ class _Reporter:
     def put(self, output: Any) -> None:
         self._queue.put((output, time.monotonic()))
 
+    def relay(self, msg: tuple[Any, ...]) -> None:
+        """Send `msg` to the driver after every output put before it, and before any put after."""
+        self._queue.put((msg, time.monotonic()))
+
     def stop(self) -> None:
         self._queue.put(None)
         self._thread.join()
@@ -311,7 +317,9 @@ class _Reporter:
 
         while (item := self._queue.get()) is not None:
             out, at = item
-            if isinstance(out, ReportReceived):
+            if isinstance(out, tuple):  # relayed
+                self._send(out)
+            elif isinstance(out, ReportReceived):
                 key, tokens = self._expected.pop(out.request_id)
                 check = check_request(
                     self._kv, request_seed(key), out.blocks, unit_tokens=self._spec.unit_tokens,
