@@ -260,6 +260,7 @@ def _holdings(engine: Engine) -> dict[str, int]:
     side = engine.side
     held = {"requests": len(side.requests), "inflight": len(engine.inflight)}
     held["deadlines"] = len(side.deadlines)
+    held["held_blocks"] = len(side.quarantine)  # given up, while late bytes may still land
     resources: dict[str, int] = engine.fabric.open_resources()  # type: ignore[attr-defined]
     return held | resources
 

@@ -40,6 +40,12 @@ class CoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """P gives up on transfers it granted or posted; longer than `stall_s` so D's own cancel comes first."""
     fence_s: float = 30.0
     """D holds blocks of a request it gave up on this long at most, waiting for P's acknowledgement."""
+    transport_drain_s: float | None = None
+    """How long a transfer D gave up on may still land after its handle was released: D holds
+    the blocks of a request that ended unreceived this long before handing them back. None: what
+    the fabric reports (the runtime's `Engine` sets it; 0 where releasing a handle stops the
+    transfer, UCX_TCP_USER_TIMEOUT plus slack on UCX's TCP transport). A value below the
+    fabric's bound is refused."""
     heartbeat_s: float = 5.0
     """D tells P it still waits this often (must be well under `lease_s`)."""
     peer_idle_ttl_s: float = 600.0
@@ -64,6 +70,7 @@ class CoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 "bounds > 0",
             ),
             (self.max_pending_registrations > 0 and self.tombstones > 0, "sizes must be > 0"),
+            (self.transport_drain_s is None or self.transport_drain_s >= 0, "drain >= 0"),
         ]
         problems = [msg for ok, msg in checks if not ok]
         if problems:

@@ -247,6 +247,13 @@ class Consumer(Side):
                 PostTransfer(req.id, tid, "READ", link.agent, req.blocks, link.block_ids, done)
             )
 
+    def _may_still_land(self, req: Request) -> bool:
+        # release_blocks is never the success path (that is report_received): once P was told
+        # where to WRITE (push) or a READ was posted (pull), bytes may be on their way.
+        if self.mode == "push":
+            return any(link.deadline for link in req.links.values())
+        return any(link.transfer_id for link in req.links.values())
+
     def _req_guard_peer_lost(self, req: Request) -> bool:
         return bool(req.lost)
 

@@ -33,6 +33,7 @@ from kvfsm.core._io import (
     Tick,
     TransferResult,
 )
+from kvfsm.core._quarantine import Quarantine
 from kvfsm.lifecycle import LocalProtocolError, ProtocolError, RemoteProtocolError, load
 from kvfsm.wire import BlockIds, Message, WireError, decode, encode
 
@@ -122,6 +123,9 @@ class Side:
         self.counters: Counter[str] = Counter()
         self.errors: deque[str] = deque(maxlen=_MAX_ERRORS_KEPT)
         self.deadlines = Deadlines()
+        self.quarantine = Quarantine()
+        self.transport_drain_s = self.config.transport_drain_s or 0.0
+        """How long given-up transfers may still land (the runtime sets it from its fabric)."""
         self.tombstones = Tombstones(self.config.tombstones)
         self._out: list[Command] = []
         self._now = 0.0
@@ -170,7 +174,7 @@ class Side:
 
     def next_wakeup(self) -> float | None:
         """When the side next needs a `Tick` (its next deadline), for an event loop's timeout."""
-        times = (self.deadlines.next_at(), self._next_peer_sweep)
+        times = (self.deadlines.next_at(), self._next_peer_sweep, self.quarantine.next_at())
         return min((t for t in times if t is not None), default=None)
 
     # --- common event handlers ------------------------------------------------------------------
@@ -191,6 +195,11 @@ class Side:
                 self._runq.drain(self._now, self._alive_fn)
         if self._next_peer_sweep is not None and self._now >= self._next_peer_sweep:
             self._sweep_peers()
+        self._release_held(self._now)
+
+    def _release_held(self, now: float) -> None:
+        for request_id, blocks in self.quarantine.due(now):
+            self._emit(ReleaseBlocks(request_id, blocks))
 
     def _sweep_peers(self) -> None:
         """Evict the connected peers no live request used for the idle TTL (the number of peers
@@ -426,7 +435,14 @@ class Side:
                 self._emit(CancelTransfer(req.id, link.transfer_id))
 
     def _req_cmd_release_blocks(self, req: Request) -> None:
-        self._emit(ReleaseBlocks(req.id, req.blocks))
+        if self.transport_drain_s > 0 and self._may_still_land(req):
+            self.quarantine.hold(self._now + self.transport_drain_s, req.id, req.blocks)
+        else:
+            self._emit(ReleaseBlocks(req.id, req.blocks))
+
+    def _may_still_land(self, req: Request) -> bool:
+        """Whether a transfer given up on may still write the request's blocks (D overrides)."""
+        return False
 
     # --- the peer lifecycle ---------------------------------------------------------------------
 

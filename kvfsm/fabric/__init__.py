@@ -2,11 +2,14 @@
 
 from kvfsm.fabric._memory import BufferSpan, buffer_span
 from kvfsm.fabric._nixl import (
+    TCP_DRAIN_SLACK_S,
+    TCP_USER_TIMEOUT_DEFAULT,
     UCX_ERROR_HANDLING_DEFAULT,
     UCX_ERROR_HANDLING_MODES,
     NixlFabric,
     UcxErrorHandling,
     nixl_api,
+    tcp_late_delivery_s,
 )
 from kvfsm.fabric._protocol import (
     DescArray,
@@ -26,6 +29,8 @@ from kvfsm.fabric._sim import SimFabric, SimNetwork
 from kvfsm.fabric._sim_faults import SimFaults, SimStats
 
 __all__ = [
+    "TCP_DRAIN_SLACK_S",
+    "TCP_USER_TIMEOUT_DEFAULT",
     "UCX_ERROR_HANDLING_DEFAULT",
     "UCX_ERROR_HANDLING_MODES",
     "BufferSpan",
@@ -49,4 +54,5 @@ __all__ = [
     "XferTelemetry",
     "buffer_span",
     "nixl_api",
+    "tcp_late_delivery_s",
 ]

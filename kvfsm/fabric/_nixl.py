@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import math
+import os
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal, TypeVar
@@ -33,11 +36,14 @@ from kvfsm.fabric._protocol import (
 )
 
 __all__ = [
+    "TCP_DRAIN_SLACK_S",
+    "TCP_USER_TIMEOUT_DEFAULT",
     "UCX_ERROR_HANDLING_DEFAULT",
     "UCX_ERROR_HANDLING_MODES",
     "NixlFabric",
     "UcxErrorHandling",
     "nixl_api",
+    "tcp_late_delivery_s",
 ]
 
 _LOCAL = "NIXL_INIT_AGENT"  # NIXL's name for "my own memory" in prep_xfer_dlist
@@ -48,6 +54,42 @@ UCX_ERROR_HANDLING_MODES: tuple[UcxErrorHandling, ...] = ("peer", "none")
 UCX_ERROR_HANDLING_DEFAULT: UcxErrorHandling = "peer"
 """kvfsm's choice, from the figures in docs/runtime.md."""
 T = TypeVar("T")
+
+TCP_USER_TIMEOUT_DEFAULT = "10s"
+"""`UCX_TCP_USER_TIMEOUT` where the environment sets none: over UCX's TCP transport the kernel
+drops a connection whose data stays unacknowledged this long, and with it the bytes of transfers
+given up on (released handles do not recall bytes already in the socket). Without it they wait
+for the link for up to ~15 minutes of retries. 10 s is D's default stall bound: a link silent
+that long has failed the transfers anyway (docs/security.md)."""
+TCP_DRAIN_SLACK_S = 2.0
+"""Added to the TCP user timeout: the kernel's retransmission timer checks it late by up to
+an RTO, and what a returning link delivers before the timeout takes time to arrive."""
+_UCX_TIME = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(s|ms|us|ns|m|h)?\s*$")
+_UNITS = {None: 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9, "m": 60.0, "h": 3600.0}
+
+
+def tcp_late_delivery_s(env: Any = os.environ) -> float:
+    """How long a released transfer's bytes may still land given UCX's settings in `env`: 0 if
+    `UCX_TLS` rules TCP out, else the TCP user timeout plus slack (`math.inf` for "inf")."""
+    if not _tcp_possible(env.get("UCX_TLS", "")):
+        return 0.0
+    value = env.get("UCX_TCP_USER_TIMEOUT", TCP_USER_TIMEOUT_DEFAULT).strip().lower()
+    if value in ("inf", "infinity", "auto"):
+        return math.inf
+    match = _UCX_TIME.match(value)
+    if match is None:
+        raise ValueError(f"UCX_TCP_USER_TIMEOUT={value!r} is not a time UCX takes (e.g. 10s)")
+    return float(match[1]) * _UNITS[match[2]] + TCP_DRAIN_SLACK_S
+
+
+def _tcp_possible(tls: str) -> bool:
+    """Whether UCX may pick its TCP transport under `UCX_TLS` ("" and "all": it may)."""
+    tls = tls.strip()
+    excluding = tls.startswith("^")
+    names = {t.strip() for t in tls.lstrip("^").split(",") if t.strip()}
+    if not names:
+        return True
+    return "tcp" not in names if excluding else bool(names & {"tcp", "all"})
 
 
 def nixl_api() -> Any:
@@ -100,12 +142,16 @@ class NixlFabric:
                 enable_prog_thread=progress_thread, capture_telemetry=telemetry, backends=[]
             )
             agent = api.nixl_agent(name, config)
+            # UCX reads its settings from the environment when the backend starts: the only
+            # way to bound how long bytes of a released transfer may wait in a TCP socket.
+            os.environ.setdefault("UCX_TCP_USER_TIMEOUT", TCP_USER_TIMEOUT_DEFAULT)
             # The UCX backend is created here, not by the config, to pass it init parameters.
             with self._translated():
                 agent.create_backend("UCX", {"ucx_error_handling_mode": ucx_error_handling})
         else:
             self._errors = {}
         self._agent = agent
+        self._late_delivery_s = tcp_late_delivery_s()
         self._mem_type = mem_type
         self._telemetry = telemetry
         self._ids = itertools.count(1)
@@ -118,6 +164,13 @@ class NixlFabric:
     def agent_name(self) -> str:
         """This agent's name."""
         return self._name
+
+    @property
+    def late_delivery_s(self) -> float:
+        """0 if `UCX_TLS` rules TCP out, else UCX_TCP_USER_TIMEOUT plus `TCP_DRAIN_SLACK_S`: a
+        released WRITE's (or READ reply's) bytes already in a kernel socket land when the link
+        allows, until the kernel drops the connection."""
+        return self._late_delivery_s
 
     @property
     def ucx_error_handling(self) -> str:

@@ -82,6 +82,12 @@ class Fabric(Protocol):
         """This agent's name, as peers see it in notifications."""
         ...
 
+    @property
+    def late_delivery_s(self) -> float:
+        """How long after a transfer's handle is released its bytes may still land (0 where
+        releasing stops it; `math.inf` where nothing bounds it)."""
+        ...
+
     def register_memory(self, buffer: npt.NDArray[np.uint8]) -> MemoryHandle:
         """Register a contiguous byte buffer for transfers (DRAM)."""
         ...

@@ -9,7 +9,9 @@ that order, so the same seed and the same calls always give the same outcome.
 NIXL behaviours modelled on purpose: metadata is a snapshot (memory registered after
 `get_agent_metadata` is invisible to peers until they load fresh metadata); a transfer's
 notification arrives strictly after the initiator could see ``"DONE"``; a released handle that
-had completed still answers ``"DONE"``; a silent peer leaves transfers in ``"PROC"`` forever.
+had completed still answers ``"DONE"``; a silent peer leaves transfers in ``"PROC"`` forever;
+with `SimFaults.late_delivery`, a transfer released in progress still lands later (UCX over TCP
+delivers what its socket held).
 """
 
 from __future__ import annotations
@@ -34,8 +36,17 @@ from kvfsm.fabric._protocol import (
     XferState,
     XferTelemetry,
 )
-from kvfsm.fabric._sim_faults import SimFaults, _Completion, _FaultyClock, _Notif
-from kvfsm.fabric._sim_rows import I64, Dlist, Xfer, indices, merged_rows, resolve
+from kvfsm.fabric._sim_faults import SimFaults, _Completion, _FaultyClock, _LateBytes, _Notif
+from kvfsm.fabric._sim_rows import (
+    I64,
+    Dlist,
+    Xfer,
+    copy_rows,
+    indices,
+    merged_rows,
+    resolve,
+    written_ranges,
+)
 
 __all__ = ["SimFabric", "SimNetwork"]
 
@@ -78,6 +89,11 @@ class SimFabric:
         self._xfers: dict[XferHandle, Xfer] = {}
         self._released_done: set[XferHandle] = set()
         self._inbox: list[tuple[str, bytes]] = []
+
+    @property
+    def late_delivery_s(self) -> float:
+        """`SimFaults.late_delivery` of its network."""
+        return self._net.faults.late_delivery
 
     @property
     def agent_name(self) -> str:
@@ -285,12 +301,16 @@ class SimFabric:
         return x.state
 
     def release_xfer_handle(self, handle: XferHandle) -> None:
-        """Release a transfer; one still in ``"PROC"`` is cancelled (no byte, no notification)."""
+        """Release a transfer; one still in ``"PROC"`` is cancelled (no notification; no byte
+        unless `SimFaults.late_delivery` says they still land)."""
         self._usable()
         x = self._xfer(handle)
         del self._xfers[handle]
         if x.state == "PROC":
             self._net._stats.xfers_cancelled += 1
+            late = self._net.faults.late_delivery
+            if late > 0:
+                self._net._schedule(self._net.now + late, _LateBytes(self._gen, x))
         elif x.state == "DONE":
             self._released_done.add(handle)
 
@@ -439,7 +459,11 @@ class SimNetwork(_FaultyClock):
         if target._silent:
             return  # a black hole never answers
         rows = len(x.length) if fail_rows is None else fail_rows
-        if target._refuses or not self._copy(fabric, target, x, rows) or fail_rows is not None:
+        if (
+            target._refuses
+            or not copy_rows(x, rows, fabric._regions, target._regions)
+            or fail_rows is not None
+        ):
             x.state = "ERR"
             self._stats.xfers_err += 1
             return
@@ -449,20 +473,24 @@ class SimNetwork(_FaultyClock):
         if x.notif:
             self._send(fabric, target, x.notif)  # scheduled with a positive latency
 
-    def _copy(self, fabric: SimFabric, target: SimFabric, x: Xfer, rows: int) -> bool:
-        """Copy the first `rows` pairs; False (nothing copied) if some memory is gone."""
-        local = [fabric._regions.get(int(h)) for h in x.local_region[:rows]]
-        remote = [target._regions.get(int(h)) for h in x.remote_region[:rows]]
-        if any(r is None for r in local) or any(r is None for r in remote):
-            return False
-        for i, (lr, rr) in enumerate(zip(local, remote, strict=True)):
-            assert lr is not None and rr is not None  # checked above; narrows for mypy
-            n, lo, ro = int(x.length[i]), int(x.local_offset[i]), int(x.remote_offset[i])
-            if x.op == "WRITE":
-                rr.buf[ro : ro + n] = lr.buf[lo : lo + n]
-            else:
-                lr.buf[lo : lo + n] = rr.buf[ro : ro + n]
-        return True
+    def _land_late(self, event: _LateBytes) -> None:
+        fabric, x = self._incarnations[event.gen], event.xfer
+        target = self._incarnations[x.gen]
+        live = fabric._down is None and target._down is None and not target._silent
+        if live and copy_rows(x, len(x.length), fabric._regions, target._regions):
+            self._stats.late_bytes += int(x.length.sum())
+
+    def late_writes_into(self, agent: str) -> list[tuple[int, int]]:
+        """The byte ranges [start, end) (host addresses) of `agent`'s memory that bytes of
+        released transfers are still due to write."""
+        out = []
+        for _, _, event in self._events:
+            if isinstance(event, _LateBytes):
+                x = event.xfer
+                into = self._incarnations[x.gen if x.op == "WRITE" else event.gen]
+                if into.agent_name == agent and into._down is None:
+                    out += written_ranges(x, into._regions)
+        return out
 
     def _send(self, sender: SimFabric, receiver: SimFabric, msg: bytes) -> None:
         notif = _Notif(sender.agent_name, sender._gen, receiver._gen, msg)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from kvfsm.fabric._protocol import FabricError
+from kvfsm.fabric._sim_rows import Xfer
 
 __all__ = ["POST_OUTCOMES", "PostOutcome", "SimFaults", "SimStats"]
 
@@ -70,6 +71,11 @@ class SimFaults:
     """0: transfers complete inside `transfer()`; otherwise they complete this much later."""
     max_notif_delay: float = 1e-3
     """Upper bound of the extra delay drawn for ``delay_notif``."""
+    late_delivery: float = 0.0
+    """0: releasing a transfer in progress cancels it. Otherwise its bytes still land this much
+    later, without a notification, if both agents are live and the link is not cut then (UCX
+    over TCP: bytes already in a kernel socket arrive when the link allows, until the kernel
+    gives the connection up). `SimFabric.late_delivery_s` reports it."""
 
     def __post_init__(self) -> None:
         for name in _PROBABILITIES:
@@ -78,7 +84,7 @@ class SimFaults:
                 raise ValueError(f"SimFaults.{name} must be a probability in [0, 1], got {p!r}")
         if not (math.isfinite(self.notif_latency) and self.notif_latency > 0):
             raise ValueError(f"SimFaults.notif_latency must be > 0, got {self.notif_latency!r}")
-        for name in ("transfer_latency", "max_notif_delay"):
+        for name in ("transfer_latency", "max_notif_delay", "late_delivery"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"SimFaults.{name} must be finite and >= 0, got {v!r}")
@@ -104,6 +110,7 @@ class SimStats:
     xfers_err: int = 0
     xfers_cancelled: int = 0
     bytes_moved: int = 0
+    late_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +205,14 @@ class _Completion:
     fail_rows: int | None  # None: succeed; k: copy k rows then end "ERR"
 
 
+@dataclass(slots=True)
+class _LateBytes:
+    """A transfer released in progress whose bytes are still on their way (`late_delivery`)."""
+
+    gen: int  # initiator incarnation
+    xfer: Xfer  # released
+
+
 class _FaultyClock:
     """Virtual clock, event heap, notification faults and scripted injections of a network."""
 
@@ -215,6 +230,9 @@ class _FaultyClock:
         raise NotImplementedError
 
     def _deliver(self, notif: _Notif) -> None:
+        raise NotImplementedError
+
+    def _land_late(self, event: _LateBytes) -> None:
         raise NotImplementedError
 
     def _is_live(self, name: str) -> bool:
@@ -247,6 +265,8 @@ class _FaultyClock:
             self._now = when  # follow-up events are scheduled from the event's own time
             if isinstance(event, _Notif):
                 self._deliver(event)
+            elif isinstance(event, _LateBytes):
+                self._land_late(event)
             else:
                 assert isinstance(event, _Completion)
                 self._on_completion(event)

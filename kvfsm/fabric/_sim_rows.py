@@ -5,14 +5,16 @@ of prepared lists and made transfers."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
 from kvfsm.fabric._protocol import FabricError, XferOp
 
-__all__ = ["I64", "Dlist", "Xfer", "indices", "merged_rows", "resolve"]
+__all__ = [
+    "I64", "Dlist", "Xfer", "copy_rows", "indices", "merged_rows", "resolve", "written_ranges"
+]  # fmt: skip
 
 I64 = npt.NDArray[np.int64]
 
@@ -90,3 +92,35 @@ def indices(idx: object, n: int, what: str) -> I64:
     if bad.size:
         raise FabricError(f"{what}[{int(bad[0])}]={int(out[bad[0]])} is out of range for {n} rows")
     return out
+
+
+def written_ranges(x: Xfer, regions: dict[int, Any]) -> list[tuple[int, int]]:
+    """The host-address ranges [start, end) that `x` writes, given the written agent's regions
+    by memory handle (objects with a numpy `buf`); rows in regions gone since are left out."""
+    handles, offsets = (
+        (x.remote_region, x.remote_offset) if x.op == "WRITE" else (x.local_region, x.local_offset)
+    )
+    out = []
+    for h, off, n in zip(handles, offsets, x.length, strict=True):
+        region = regions.get(int(h))
+        if region is not None:
+            start = region.buf.ctypes.data + int(off)
+            out.append((start, start + int(n)))
+    return out
+
+
+def copy_rows(x: Xfer, rows: int, local: dict[int, Any], remote: dict[int, Any]) -> bool:
+    """Copy the first `rows` pairs of `x` between the two agents' regions (by memory handle,
+    objects with a numpy `buf`); False (nothing copied) if some memory is gone."""
+    mine = [local.get(int(h)) for h in x.local_region[:rows]]
+    theirs = [remote.get(int(h)) for h in x.remote_region[:rows]]
+    if any(r is None for r in mine) or any(r is None for r in theirs):
+        return False
+    for i, (lr, rr) in enumerate(zip(mine, theirs, strict=True)):
+        assert lr is not None and rr is not None  # checked above; narrows for mypy
+        n, lo, ro = int(x.length[i]), int(x.local_offset[i]), int(x.remote_offset[i])
+        if x.op == "WRITE":
+            rr.buf[ro : ro + n] = lr.buf[lo : lo + n]
+        else:
+            lr.buf[lo : lo + n] = rr.buf[ro : ro + n]
+    return True

@@ -8,6 +8,7 @@ commands that concern it (blocks released, requests received or failed, requests
 
 from __future__ import annotations
 
+import math
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -86,6 +87,27 @@ class InFlight(msgspec.Struct):
     bytes: int
 
 
+def _drain_bound(configured: float | None, fabric: Fabric) -> float:
+    """How long D holds blocks a given-up transfer may still write: the configured bound, or the
+    fabric's own; a configured one below the fabric's would hand back blocks bytes still hit."""
+    bound = fabric.late_delivery_s
+    if configured is None:
+        if math.isinf(bound):
+            raise ValueError(
+                f"{fabric.agent_name}: nothing bounds when a given-up transfer's bytes land "
+                "(UCX_TCP_USER_TIMEOUT=inf over UCX's TCP transport): set a finite "
+                "UCX_TCP_USER_TIMEOUT or leave tcp out of UCX_TLS"
+            )
+        return bound
+    if configured < bound:
+        raise ValueError(
+            f"{fabric.agent_name}: CoreConfig.transport_drain_s={configured} is below the "
+            f"{bound} s in which the fabric may still deliver a given-up transfer's bytes "
+            "(UCX_TCP_USER_TIMEOUT plus slack over TCP): D would hand back blocks they hit"
+        )
+    return configured
+
+
 class Engine:
     """One engine rank: a core side, a fabric agent and the KV cache it registered."""
 
@@ -110,6 +132,7 @@ class Engine:
         engine handshaked with (None: the listener runs elsewhere, nothing to check against)."""
         self.side = side
         self.fabric = fabric
+        side.transport_drain_s = _drain_bound(side.config.transport_drain_s, fabric)
         self.kv = kv
         self.directory = directory
         self.clock = clock
@@ -152,8 +175,9 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        """Requests are live or transfers in flight: the fabric needs polling."""
-        return bool(self.inflight or self.side.requests)
+        """Requests are live, transfers in flight or blocks held while late bytes may land: the
+        fabric needs polling."""
+        return bool(self.inflight or self.side.requests or len(self.side.quarantine))
 
     @property
     def peers(self) -> int:
@@ -207,6 +231,10 @@ class Engine:
             for peer in list(self._routes):
                 self._forget_peer(peer)
         self._deregister()
+        # Held blocks go back now: the engine is done with the fabric (the caller closes the
+        # agent next, and with it every connection late bytes could come by).
+        for request_id, blocks in self.side.quarantine.due(math.inf):
+            self.outputs.append(ReleaseBlocks(request_id, blocks))
 
     # --- executing commands ----------------------------------------------------------------------
 

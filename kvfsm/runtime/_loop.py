@@ -211,6 +211,7 @@ class EngineLoop:
             self.engine.close()
         except Exception as exc:
             self.errors.append(f"close: {exc!r}")
+        self._deliver()  # blocks the engine still held go back on close
 
 
 def _default_hot_s(engine: Engine) -> float:

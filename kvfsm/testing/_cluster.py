@@ -343,7 +343,8 @@ class SimCluster:
     def settle(self, horizon: float | None = None) -> None:
         """Run the clock until every request on live engines ended, up to `horizon` seconds."""
         c = self.config
-        limit = horizon or 4 * (c.lease_s + c.watchdog_s + c.producer_stall_s + c.fence_s)
+        bounds = c.lease_s + c.watchdog_s + c.producer_stall_s + c.fence_s
+        limit = horizon or 4 * (bounds + self.network.faults.late_delivery)
         end = self.now + limit
         while self.now < end and not self.quiet():
             self.step(min(c.heartbeat_s, c.stall_s) / 2)
@@ -360,8 +361,11 @@ class SimCluster:
         return min((t for t in times if t is not None), default=None)
 
     def quiet(self) -> bool:
-        """No request left on any live engine and nothing in flight."""
-        return all(not e.side.requests and not e.inflight for e in self.live_engines())
+        """No request left on any live engine, nothing in flight and no block held."""
+        return all(
+            not e.side.requests and not e.inflight and not len(e.side.quarantine)
+            for e in self.live_engines()
+        )
 
     def live_engines(self) -> Iterator[Engine]:
         """Every live engine."""

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from kvfsm.core import ReleaseBlocks
-    from kvfsm.runtime import Engine, InFlight
+    from kvfsm.runtime import Engine, InFlight, KvCache
     from kvfsm.testing._cluster import PairedRequest, SimCluster
 
 __all__ = ["COVERAGE", "Conformance", "Ledger", "untaken_transitions"]
@@ -134,7 +134,9 @@ class Ledger:
     def finished(self, agent: str, pr: PairedRequest, state: str) -> None:
         """A request ended on an engine: check what it reported matches how it ended."""
         self.finals[f"{agent.split('#')[0]}:{state}"] += 1
-        if self._released[(agent, pr.key)] != 1:
+        released = self._released[(agent, pr.key)]
+        held = released == 0 and self._holds(agent, pr)  # released once late bytes cannot land
+        if released != 1 and not held:
             self._violate(f"no leak: {agent} ended {pr.key} ({state}) without releasing once")
         if agent.startswith("D"):
             received = (agent, pr.key) in self._received
@@ -159,8 +161,8 @@ class Ledger:
             if side.requests:
                 states = {rid: r.state for rid, r in list(side.requests.items())[:5]}
                 problems.append(f"terminal: {engine.agent} still holds {states}")
-            if engine.inflight or len(side.deadlines):
-                problems.append(f"no leak: {engine.agent} holds transfers or deadlines")
+            if engine.inflight or len(side.deadlines) or len(side.quarantine):
+                problems.append(f"no leak: {engine.agent} holds transfers, deadlines or blocks")
         return problems
 
     # --- the checks ------------------------------------------------------------------------------
@@ -206,6 +208,13 @@ class Ledger:
             )
             if into_d:
                 self._violate(f"no late write: {agent} released {pr.key} under {flight.op}")
+        late = self.cluster.network.late_writes_into(agent) if len(pr.d_blocks) else []
+        if late and _overlaps(late, self.cluster.engines[agent].kv, pr.d_blocks):
+            self._violate(f"no late write: {agent} released {pr.key} with bytes still due")
+
+    def _holds(self, agent: str, pr: PairedRequest) -> bool:
+        engine = self.cluster.engines.get(agent)
+        return engine is not None and engine.side.quarantine.holds(pr.d_id)
 
     def _check_bytes(self, agent: str, pr: PairedRequest) -> None:
         self._received.add((agent, pr.key))
@@ -247,3 +256,14 @@ class Ledger:
 
     def _violate(self, message: str) -> None:
         self.violations.append(message)
+
+
+def _overlaps(ranges: list[tuple[int, int]], kv: KvCache, blocks: np.ndarray) -> bool:
+    """Whether any byte range [start, end) (host addresses) touches one of `blocks` in `kv`."""
+    for region in kv.regions():
+        base, block = region.ctypes.data, region.nbytes // kv.geometry.num_blocks
+        starts = base + blocks.astype(np.int64) * block
+        for start, end in ranges:
+            if np.any((starts < end) & (start < starts + block)):
+                return True
+    return False

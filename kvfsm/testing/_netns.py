@@ -63,11 +63,18 @@ class Host:
     address: str
 
 
+TCP_USER_TIMEOUT = "1s"
+"""The kernel drops a connection whose data stays unacknowledged this long (UCX_TCP_USER_TIMEOUT):
+short, so that D's hold of given-up blocks (this plus `TCP_DRAIN_SLACK_S`) keeps the tests short."""
+
+
 def ucx_env(host: Host) -> dict[str, str]:
-    """The environment that makes UCX move everything over TCP on `host`'s veth: without it,
+    """The environment that makes UCX move everything over TCP on `host`'s veth (without it,
     UCX would find the peer on the same machine and copy through shared memory or CMA, never
-    touching the link."""
-    return {"UCX_TLS": "tcp", "UCX_NET_DEVICES": host.device}
+    touching the link), with `TCP_USER_TIMEOUT`."""
+    return {
+        "UCX_TLS": "tcp", "UCX_NET_DEVICES": host.device, "UCX_TCP_USER_TIMEOUT": TCP_USER_TIMEOUT
+    }  # fmt: skip
 
 
 def _run(args: Sequence[str], what: str) -> str:

@@ -1,6 +1,8 @@
-"""The suite catches a planted protocol bug: P counting a transfer complete on the first of two
+"""The suite catches planted protocol bugs: P counting a transfer complete on the first of two
 expected results (freeing its blocks while a second D rank still reads them, or telling D's
-caller its blocks arrived while a second P rank still writes)."""
+caller its blocks arrived while a second P rank still writes); D handing back the blocks of a
+request it gave up on at once, while a released transfer's bytes are still on their way (UCX
+over TCP)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvfsm.core import Side, TransferTally
+from kvfsm.core import Consumer, Side, TransferTally
 from kvfsm.fabric import SimFaults
 from kvfsm.testing import machine_for
 
@@ -48,4 +50,25 @@ def test_same_machines_pass_without_the_bug() -> None:
     """The control: unpatched, the same machines and budget find nothing."""
     for mode, p_tp, d_tp in [("pull", 1, 2), ("push", 2, 1)]:
         machine = machine_for(mode, p_tp, d_tp, _SLOW)  # type: ignore[arg-type]
+        run_state_machine_as_test(machine, settings=settings(_BUDGET, max_examples=60))
+
+
+_TCP = SimFaults(transfer_latency=0.25, late_delivery=0.6)
+
+
+@pytest.mark.parametrize(("mode", "p_tp", "d_tp"), [("push", 1, 1), ("pull", 1, 2)])
+def test_blocks_handed_back_before_late_bytes_land_are_caught(
+    monkeypatch: pytest.MonkeyPatch, mode: str, p_tp: int, d_tp: int
+) -> None:
+    monkeypatch.setattr(Consumer, "_may_still_land", lambda self, req: False)  # no hold
+    machine = machine_for(mode, p_tp, d_tp, _TCP)  # type: ignore[arg-type]
+    with pytest.raises((AssertionError, Flaky)) as caught:
+        run_state_machine_as_test(machine, settings=_BUDGET)
+    assert "no late write" in str(caught.value) and "bytes still due" in str(caught.value)
+
+
+def test_same_late_bytes_machines_pass_with_the_hold() -> None:
+    """The control: D holds the blocks for the fabric's late-delivery bound; nothing found."""
+    for mode, p_tp, d_tp in [("push", 1, 1), ("pull", 1, 2)]:
+        machine = machine_for(mode, p_tp, d_tp, _TCP)  # type: ignore[arg-type]
         run_state_machine_as_test(machine, settings=settings(_BUDGET, max_examples=60))

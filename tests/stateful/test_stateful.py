@@ -25,6 +25,8 @@ _NOISY = SimFaults(
     delay_notif=0.05,
     reorder_notif=0.05,
 )
+# UCX over TCP: bytes of a transfer released in progress still land, up to 0.6 s later.
+_TCP = SimFaults(transfer_latency=0.25, late_delivery=0.6)
 
 MACHINES = (
     machine_for("push"),
@@ -42,14 +44,17 @@ MACHINES = (
     # D's blocks hold 2 or 4 of P's: prefix-cache hits align across block sizes.
     machine_for("push", 1, 2, _NOISY, d_block_size=8),
     machine_for("pull", 1, 1, _SLOW, d_block_size=16),
+    machine_for("push", 1, 1, _TCP),
+    machine_for("pull", 1, 2, _TCP),
 )
 TestPush, TestPull, TestPushSlow, TestPullSlow = (m.TestCase for m in MACHINES[:4])
 TestPushOneToTwo, TestPullTwoToOne, TestPushTwoToOne, TestPullOneToTwo = (
     m.TestCase for m in MACHINES[4:8]
 )
 TestPushMla, TestPullMla, TestPushBigDBlocks, TestPullBigDBlocks = (
-    m.TestCase for m in MACHINES[8:]
+    m.TestCase for m in MACHINES[8:12]
 )
+TestPushLateBytes, TestPullLateBytes = (m.TestCase for m in MACHINES[12:])
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
