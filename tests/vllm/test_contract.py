@@ -309,8 +309,10 @@ def test_d_prefix_cache_hit_loads_only_the_rest(model_dir: Path, mode: str) -> N
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_a_failed_load_is_reported_as_invalid_blocks(
-    model_dir: Path, mode: str, policy: str
+    model_dir: Path, mode: str, policy: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # D holds a given-up load's blocks for UCX's TCP timeout plus 2 s: 3 s here, not 12.
+    monkeypatch.setenv("UCX_TCP_USER_TIMEOUT", "1s")
     # P's lease runs out before D comes: D's load must fail, never read reused blocks.
     with pair(model_dir, mode, policy, lease_s=0.2, heartbeat_s=0.1) as e:
         params = e.prefill("p-1")
@@ -318,15 +320,19 @@ def test_a_failed_load_is_reported_as_invalid_blocks(
         e.decode("d-1", params)
         steps: list[tuple[set[int], set[str]]] = []  # per D step: invalid blocks, loads ended
 
-        def failed() -> bool:
+        def recorded() -> list[tuple[set[int], set[str]]]:
             kv = e.d.driver.history[-1].kv_connector_output
             if kv is not None:
                 steps.append((set(kv.invalid_block_ids or ()), set(kv.finished_recving or ())))
-            return "d-1" in e.d.driver.finished()
+            return steps
 
         e.d.driver.step()
         d_blocks = e.d.blocks("d-1")
-        e.settle(failed, "D failing the load")
+        e.settle(lambda: bool(recorded()) and "d-1" in e.d.driver.finished(), "D failing it")
+        # With the "fail" policy vLLM ends the request on the invalid blocks, and frees them
+        # only at finished_recving: once no byte can land (push: P was told where to write).
+        handed_back = lambda: any("d-1" in r for _, r in recorded())  # noqa: E731
+        e.settle(handed_back, "D handing the blocks back")
         ended = next(i for i, (_, recving) in enumerate(steps) if "d-1" in recving)
         # Every block of the load is reported invalid no later than the step that ends it.
         assert set(d_blocks) <= set().union(*(invalid for invalid, _ in steps[: ended + 1]))
