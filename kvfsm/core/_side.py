@@ -195,10 +195,7 @@ class Side:
                 self._runq.drain(self._now, self._alive_fn)
         if self._next_peer_sweep is not None and self._now >= self._next_peer_sweep:
             self._sweep_peers()
-        self._release_held(self._now)
-
-    def _release_held(self, now: float) -> None:
-        for request_id, blocks in self.quarantine.due(now):
+        for request_id, blocks in self.quarantine.due(self._now):
             self._emit(ReleaseBlocks(request_id, blocks))
 
     def _sweep_peers(self) -> None:

@@ -13,7 +13,7 @@ import itertools
 import math
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal, TypeVar
 
@@ -68,7 +68,7 @@ _UCX_TIME = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(s|ms|us|ns|m|h)?\s*$")
 _UNITS = {None: 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9, "m": 60.0, "h": 3600.0}
 
 
-def tcp_late_delivery_s(env: Any = os.environ) -> float:
+def tcp_late_delivery_s(env: Mapping[str, str] = os.environ) -> float:
     """How long a released transfer's bytes may still land given UCX's settings in `env`: 0 if
     `UCX_TLS` rules TCP out, else the TCP user timeout plus slack (`math.inf` for "inf")."""
     if not _tcp_possible(env.get("UCX_TLS", "")):

@@ -17,7 +17,6 @@ delivers what its socket held).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import msgspec
 import numpy as np
@@ -40,6 +39,7 @@ from kvfsm.fabric._sim_faults import SimFaults, _Completion, _FaultyClock, _Late
 from kvfsm.fabric._sim_rows import (
     I64,
     Dlist,
+    Region,
     Xfer,
     copy_rows,
     indices,
@@ -62,13 +62,6 @@ class _Meta(msgspec.Struct, frozen=True):
     regions: list[tuple[int, int, int]]  # (memory handle, address, length) at export time
 
 
-@dataclass(slots=True)
-class _Region:
-    buf: npt.NDArray[np.uint8]
-    addr: int
-    length: int
-
-
 class SimFabric:
     """One simulated agent; implements `Fabric`. Create it with `SimNetwork.agent`.
 
@@ -83,7 +76,7 @@ class SimFabric:
         self._down: str | None = None  # None while usable, else "dead" or "closed"
         self._cut = False  # killed with reset=False: its link is cut
         self._superseded = False  # revived: a new process answers on its address
-        self._regions: dict[MemoryHandle, _Region] = {}
+        self._regions: dict[MemoryHandle, Region] = {}
         self._remotes: dict[str, _Meta] = {}
         self._dlists: dict[DlistHandle, Dlist] = {}
         self._xfers: dict[XferHandle, Xfer] = {}
@@ -141,7 +134,7 @@ class SimFabric:
         if buffer.size == 0 or not buffer.flags.writeable:
             raise ValueError("register_memory needs a non-empty, writeable array")
         handle = self._net._next_id()
-        self._regions[handle] = _Region(buffer, int(buffer.ctypes.data), int(buffer.size))
+        self._regions[handle] = Region(buffer, int(buffer.ctypes.data), int(buffer.size))
         return handle
 
     def deregister_memory(self, handle: MemoryHandle) -> None:

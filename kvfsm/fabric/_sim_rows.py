@@ -5,7 +5,7 @@ of prepared lists and made transfers."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -13,7 +13,8 @@ import numpy.typing as npt
 from kvfsm.fabric._protocol import FabricError, XferOp
 
 __all__ = [
-    "I64", "Dlist", "Xfer", "copy_rows", "indices", "merged_rows", "resolve", "written_ranges"
+    "I64", "Dlist", "Region", "Xfer", "copy_rows", "indices", "merged_rows", "resolve",
+    "written_ranges",
 ]  # fmt: skip
 
 I64 = npt.NDArray[np.int64]
@@ -28,6 +29,15 @@ class Dlist:
     region: I64  # per row: memory handle, offset inside it, length
     offset: I64
     length: I64
+
+
+@dataclass(slots=True)
+class Region:
+    """A registered buffer: its bytes, host address and length."""
+
+    buf: npt.NDArray[np.uint8]
+    addr: int
+    length: int
 
 
 @dataclass(slots=True)
@@ -94,9 +104,9 @@ def indices(idx: object, n: int, what: str) -> I64:
     return out
 
 
-def written_ranges(x: Xfer, regions: dict[int, Any]) -> list[tuple[int, int]]:
+def written_ranges(x: Xfer, regions: dict[int, Region]) -> list[tuple[int, int]]:
     """The host-address ranges [start, end) that `x` writes, given the written agent's regions
-    by memory handle (objects with a numpy `buf`); rows in regions gone since are left out."""
+    by memory handle; rows in regions gone since are left out."""
     handles, offsets = (
         (x.remote_region, x.remote_offset) if x.op == "WRITE" else (x.local_region, x.local_offset)
     )
@@ -104,14 +114,14 @@ def written_ranges(x: Xfer, regions: dict[int, Any]) -> list[tuple[int, int]]:
     for h, off, n in zip(handles, offsets, x.length, strict=True):
         region = regions.get(int(h))
         if region is not None:
-            start = region.buf.ctypes.data + int(off)
+            start = region.addr + int(off)
             out.append((start, start + int(n)))
     return out
 
 
-def copy_rows(x: Xfer, rows: int, local: dict[int, Any], remote: dict[int, Any]) -> bool:
-    """Copy the first `rows` pairs of `x` between the two agents' regions (by memory handle,
-    objects with a numpy `buf`); False (nothing copied) if some memory is gone."""
+def copy_rows(x: Xfer, rows: int, local: dict[int, Region], remote: dict[int, Region]) -> bool:
+    """Copy the first `rows` pairs of `x` between the two agents' regions (by memory handle);
+    False (nothing copied) if some memory is gone."""
     mine = [local.get(int(h)) for h in x.local_region[:rows]]
     theirs = [remote.get(int(h)) for h in x.remote_region[:rows]]
     if any(r is None for r in mine) or any(r is None for r in theirs):
