@@ -28,6 +28,7 @@ __all__ = [
     "fingerprint",
     "flight_of",
     "handshakes",
+    "is_late_bytes",
     "message_print",
     "pending_events",
 ]
@@ -39,6 +40,11 @@ _PAST = -1e9  # any time longer ago than the longest bound
 def pending_events(c: SimCluster) -> list[tuple[float, int, Any]]:
     """The network's pending notifications and transfer completions, in delivery order."""
     return sorted(getattr(c.network, "_events"), key=lambda e: (e[0], e[1]))  # noqa: B009
+
+
+def is_late_bytes(ev: Any) -> bool:
+    """Whether a pending event is the bytes of a released transfer landing late."""
+    return hasattr(ev, "xfer")
 
 
 def agent_of(c: SimCluster, gen: int) -> str:
@@ -91,6 +97,7 @@ def fingerprint(c: SimCluster, faults: int, spent_actions: frozenset[tuple[str, 
     for e in c.live_engines():
         held += [*e.side.requests, *(f.request_id for f in e.inflight.values())]
         held += [rid for _, rid in getattr(getattr(e.side, "_pending", None), "_entries", ())]
+        held += [rid for _, rid, _ in e.side.quarantine._held]
     text = n.id(" ".join(held))
     n.settled = frozenset(k for k in c.requests if f"{k}@" not in text)
     engines = tuple(_engine_print(c, agent, n) for agent in sorted(c.engines))
@@ -122,7 +129,10 @@ def _engine_print(c: SimCluster, agent: str, n: Namer) -> Hashable:
             sorted(k for k in side._ended_bases._ended if n.keep(f"{k}@")),
         )  # fmt: skip
     else:
-        extra = n.t(side._next_heartbeat)
+        holds = [
+            (n.t(until), n.id(rid), len(blocks)) for until, rid, blocks in side.quarantine._held
+        ]
+        extra = (n.t(side._next_heartbeat), holds)
     return repr((
         agent, sorted(_request_print(r, n) for r in side.requests.values()), deadlines, peers,
         flights, sorted((n.t(e[0]), e[1]) for e in handshakes(engine)), sorted(ended),
@@ -153,7 +163,11 @@ def _request_print(r: Any, n: Namer) -> tuple[Any, ...]:
 def _network_print(c: SimCluster, n: Namer) -> Hashable:
     events: list[Any] = []
     for when, _, ev in pending_events(c):
-        if hasattr(ev, "msg"):
+        if is_late_bytes(ev):
+            x = ev.xfer
+            whose = message_print(x.notif, n) if x.notif else ()  # names the request
+            events.append((n.t(when), "late", agent_of(c, ev.gen), x.op, len(x.length), whose))
+        elif hasattr(ev, "msg"):
             receiver = agent_of(c, ev.receiver_gen)
             events.append((n.t(when), ev.sender, receiver, message_print(ev.msg, n)))
         else:

@@ -80,3 +80,17 @@ def test_cli_reports_a_violation_and_exits_1(
     assert main(argv) == 1  # the table, then each violation with its numbered trace
     text = capsys.readouterr().out
     assert "kvfsm check: push" in text and "violation (push)" in text and " 1. admit r1" in text
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_blocks_handed_back_under_late_bytes_are_caught(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The planted bug: D hands back the blocks of a request it gave up on at once, though a
+    released transfer's bytes may still land in them (`LATE_S` later: UCX over TCP)."""
+    monkeypatch.setattr(Consumer, "_may_still_land", lambda self, req: False)
+    report = run_check(mode, max_faults=1, requests=1, max_depth=9)  # type: ignore[arg-type]
+    first = report.violations[0]
+    assert any("with bytes still due" in p for p in first.problems), first.problems
+    # The transfer was given up while it moved: stuck, then released by a timeout.
+    assert any(step.startswith("fault: stuck the") for step in first.trace)
