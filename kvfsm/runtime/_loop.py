@@ -73,6 +73,7 @@ class EngineLoop:
         self.on_output = on_output
         self.errors: deque[str] = deque(maxlen=_MAX_ERRORS_KEPT)
         self.wakeups = 0
+        """Sleeps cut short by a call: `wake`, `submit`/`call` or `stop`."""
         self.polls = 0
         self._poll_min, self._poll_max, self._idle = poll_min_s, poll_max_s, idle_poll_s
         self.hot_s = hot_s
@@ -195,10 +196,14 @@ class EngineLoop:
 
     def _sleep(self, timeout: float | None) -> None:
         with self._cond:
-            if self._inbox or self._woken or self._stopping:
-                return
-            if self._cond.wait(timeout):
+            if not self._called():
+                self._cond.wait(timeout)
+            # A call that came before the sleep began cuts it short as much as one during it.
+            if self._called():
                 self.wakeups += 1
+
+    def _called(self) -> bool:
+        return bool(self._inbox or self._woken or self._stopping)  # guarded by _cond
 
     def _close(self) -> None:
         with self._cond:

@@ -174,6 +174,20 @@ def test_a_finished_handshake_wakes_the_loop() -> None:
         assert d.loop.wakeups >= 1
 
 
+def test_a_wake_that_comes_before_the_loop_sleeps_cuts_the_sleep_short() -> None:
+    # The race CI once lost: the handshake finished while D's loop was still polling, so the
+    # sleep that followed returned at once, and the wake went uncounted.
+    engine = _lone_engine("Dearly", side="D")
+    loop = EngineLoop(engine, lambda _o: None, **_SLOW_POLL)  # not started: this thread sleeps
+    try:
+        loop.wake()
+        loop._sleep(_BOUND_S)  # returns at once; a sleep blind to the wake would last _BOUND_S
+        assert loop.wakeups == 1
+    finally:
+        loop.stop()
+        engine.fabric.close()
+
+
 def test_a_callers_mistake_comes_back_in_its_future_and_the_loop_goes_on() -> None:
     with _pair("push") as (p, _d):
         blocks = np.array([1], dtype=np.int32)
