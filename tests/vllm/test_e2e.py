@@ -33,9 +33,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def baseline(tiny_model: Path) -> list[list[int]]:
+def baseline(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
     """Greedy tokens of one engine without a connector: what every D must reproduce."""
-    tokens = run_baseline(tiny_model, PROMPTS, MAX_TOKENS)
+    tokens = run_baseline(tiny_model, PROMPTS, MAX_TOKENS, log_dir=tmp_path_factory.mktemp("logs"))
     assert [len(t) for t in tokens] == [MAX_TOKENS] * len(PROMPTS)
     return tokens
 
@@ -68,7 +68,9 @@ def assert_served_from_transfer(res: PdResult, baseline: list[list[int]]) -> Non
     assert res.external_tokens > 0, f"D recomputed instead of loading: {counters}"
 
 
-def test_nixl_pull_matches_baseline(tiny_model: Path, baseline: list[list[int]]) -> None:
+def test_nixl_pull_matches_baseline(
+    tiny_model: Path, baseline: list[list[int]], tmp_path: Path
+) -> None:
     """vLLM's own NixlConnector through the harness: the anchor for everything below."""
     cfg_p = {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}
     cfg_d = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
@@ -85,6 +87,7 @@ def test_nixl_pull_matches_baseline(tiny_model: Path, baseline: list[list[int]])
         env_p=env(),
         env_d=env(),
         max_tokens=MAX_TOKENS,
+        log_dir=tmp_path,  # the engines' logs, kept with pytest's other temporary files
     )
     assert_served_from_transfer(res, baseline)
     # NixlConnector loads every prompt token: D computes none of the prompts.
@@ -92,7 +95,9 @@ def test_nixl_pull_matches_baseline(tiny_model: Path, baseline: list[list[int]])
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
-def test_kvfsm_matches_baseline(tiny_model: Path, baseline: list[list[int]], mode: str) -> None:
+def test_kvfsm_matches_baseline(
+    tiny_model: Path, baseline: list[list[int]], mode: str, tmp_path: Path
+) -> None:
     """kvfsm's connector, push and pull: D serves the baseline's tokens from transferred KV."""
     res = run_pd(
         tiny_model,
@@ -100,6 +105,7 @@ def test_kvfsm_matches_baseline(tiny_model: Path, baseline: list[list[int]], mod
         kv_transfer_config_p=kvfsm_config("kv_producer", mode),
         kv_transfer_config_d=kvfsm_config("kv_consumer", mode),
         max_tokens=MAX_TOKENS,
+        log_dir=tmp_path,  # the engines' logs, kept with pytest's other temporary files
     )
     assert_served_from_transfer(res, baseline)
     # D had nothing cached: every prompt token's KV came from P.
@@ -107,7 +113,7 @@ def test_kvfsm_matches_baseline(tiny_model: Path, baseline: list[list[int]], mod
 
 
 def test_skipping_connector_serves_wrong_tokens(
-    tiny_model: Path, baseline: list[list[int]]
+    tiny_model: Path, baseline: list[list[int]], tmp_path: Path
 ) -> None:
     """Negative control: a D that reports every load done without moving a byte is caught.
 
@@ -122,6 +128,7 @@ def test_skipping_connector_serves_wrong_tokens(
             "kv_consumer", "pull", "SkippingKvfsmConnector", "tests.vllm.skipping"
         ),
         max_tokens=MAX_TOKENS,
+        log_dir=tmp_path,  # the engines' logs, kept with pytest's other temporary files
     )
     assert res.errors == [], res.errors
     differ = [
