@@ -3,8 +3,8 @@
 vLLM must find the tiny model's config.json on disk, never on the Hub, so HF_HUB_OFFLINE is set
 before anything imports `huggingface_hub` (it reads the variable once, at import). vLLM names a
 fresh ZMQ IPC socket under VLLM_RPC_BASE_PATH (the system's temp directory by default) for each
-engine and leaves it behind: a run left about a hundred in /tmp. They go to a directory of this
-session's, removed at its end.
+engine and leaves it behind (2,700 had piled up in /tmp on the development machine). They go to
+a directory of this session's, removed at its end.
 """
 
 from __future__ import annotations
