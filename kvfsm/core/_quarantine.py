@@ -9,6 +9,7 @@ that ended without receiving everything for the transport's drain bound before h
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 
 from kvfsm.wire import BlockIds
 
@@ -24,6 +25,10 @@ class Quarantine:
 
     def __len__(self) -> int:
         return len(self._held)
+
+    def __iter__(self) -> Iterator[tuple[float, str, BlockIds]]:
+        """The holds, earliest end first: (until, request id, blocks)."""
+        return iter(self._held)
 
     def hold(self, until: float, request_id: str, blocks: BlockIds) -> None:
         """Keep `blocks` of `request_id` until `until`."""
@@ -43,4 +48,4 @@ class Quarantine:
 
     def holds(self, request_id: str) -> bool:
         """Whether `request_id`'s blocks are held (a scan: for tests and probes)."""
-        return any(rid == request_id for _, rid, _ in self._held)
+        return any(rid == request_id for _, rid, _ in self)

@@ -97,7 +97,7 @@ def fingerprint(c: SimCluster, faults: int, spent_actions: frozenset[tuple[str, 
     for e in c.live_engines():
         held += [*e.side.requests, *(f.request_id for f in e.inflight.values())]
         held += [rid for _, rid in getattr(getattr(e.side, "_pending", None), "_entries", ())]
-        held += [rid for _, rid, _ in e.side.quarantine._held]
+        held += [rid for _, rid, _ in e.side.quarantine]
     text = n.id(" ".join(held))
     n.settled = frozenset(k for k in c.requests if f"{k}@" not in text)
     engines = tuple(_engine_print(c, agent, n) for agent in sorted(c.engines))
@@ -129,9 +129,7 @@ def _engine_print(c: SimCluster, agent: str, n: Namer) -> Hashable:
             sorted(k for k in side._ended_bases._ended if n.keep(f"{k}@")),
         )  # fmt: skip
     else:
-        holds = [
-            (n.t(until), n.id(rid), len(blocks)) for until, rid, blocks in side.quarantine._held
-        ]
+        holds = [(n.t(until), n.id(rid), len(blocks)) for until, rid, blocks in side.quarantine]
         extra = (n.t(side._next_heartbeat), holds)
     return repr((
         agent, sorted(_request_print(r, n) for r in side.requests.values()), deadlines, peers,
