@@ -5,7 +5,7 @@
     .venv/bin/python benchmarks/profile_engine.py summarize prof.txt push
 
 `run` moves `--requests` requests of 1 MiB (16 KiB blocks, 16 per request, 4 regions,
-contiguous) through P and D engines in processes of their own, exactly as `kvfsm bench` runs
+contiguous; `--regions 32` makes them 8 MiB) through P and D engines in processes of their own, exactly as `kvfsm bench` runs
 its variant (b), and prints its figures. `summarize` groups the posting rank's busy samples
 (P in push, D in pull; its loop thread, sleeps left out) into the engine's own work and the NIXL
 calls a raw loop makes too (docs/performance.md has a table of one run).
@@ -20,7 +20,7 @@ from collections import Counter
 from kvfsm._bench_engine import run_engine_variant
 from kvfsm._bench_raw import BenchPlan, plan_requests
 
-_BLOCK_BYTES, _BLOCKS, _REGIONS = 16384, 16, 4
+_BLOCK_BYTES, _BLOCKS = 16384, 16
 
 # The first group a sample's stack contains names it; the rest is the engine's Python.
 _GROUPS = {
@@ -36,14 +36,14 @@ _GROUPS = {
 }
 
 
-def run(mode: str, requests: int) -> None:
+def run(mode: str, requests: int, regions: int) -> None:
     """Run the engine variant once and print its figures (latencies left out)."""
     src, dst = plan_requests(
         requests=requests, blocks=_BLOCKS, num_blocks=requests * _BLOCKS,
         allocation="contiguous", seed=0,
     )  # fmt: skip
     plan = BenchPlan(
-        block_bytes=_BLOCK_BYTES, num_blocks=requests * _BLOCKS, regions=_REGIONS,
+        block_bytes=_BLOCK_BYTES, num_blocks=requests * _BLOCKS, regions=regions,
         op="WRITE" if mode == "push" else "READ", src=src, dst=dst,
     )  # fmt: skip
     figures = run_engine_variant(plan, coalesce=False)
@@ -58,13 +58,13 @@ def summarize(path: str, mode: str) -> None:
     with open(path, encoding="utf-8") as f:
         lines = f.read().splitlines()
     for line in lines:
-        stack, count = line.rsplit(" ", 1)
+        stack, n = line.rsplit(" ", 1)
         frames = stack.split(";")
         if len(frames) < 2 or "spawn_main" not in frames[1]:
             continue
         if frames[1] not in children:
             children.append(frames[1])
-        samples.append((frames, int(count)))
+        samples.append((frames, int(n)))
     children.sort(key=lambda f: int(f.split()[1].rstrip(":").split(":")[0]))
     poster = children[0 if mode == "push" else 1]
     groups: Counter[str] = Counter()
@@ -87,12 +87,13 @@ def main() -> None:
     r = sub.add_parser("run")
     r.add_argument("mode", choices=["push", "pull"])
     r.add_argument("--requests", type=int, default=512)
+    r.add_argument("--regions", type=int, default=4, help="KV regions (4: 1 MiB requests)")
     s = sub.add_parser("summarize")
     s.add_argument("path")
     s.add_argument("mode", choices=["push", "pull"])
     args = parser.parse_args()
     if args.what == "run":
-        run(args.mode, args.requests)
+        run(args.mode, args.requests, args.regions)
     else:
         summarize(args.path, args.mode)
 
