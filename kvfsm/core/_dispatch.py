@@ -9,6 +9,8 @@ step never sees its instance change under it.
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
@@ -56,33 +58,47 @@ _Rule = tuple[tuple[tuple[str, _Guard, bool], ...], str, tuple[_Action, ...], tu
 
 
 class Dispatcher:
-    """Runs one lifecycle's table on instances; guards/commands are the owner's `<prefix><name>`."""
+    """Runs one lifecycle's table on instances; guards/commands are the owner's `<prefix><name>`.
+
+    The table of names is derived once per lifecycle and prefix; an owner binds a rule's methods
+    the first time its (state, event) fires. A core builds three dispatchers and then fires a
+    handful of keys: binding all ~100 rules up front was most of a new core's cost, and
+    `kvfsm check` builds fresh cores for every state it replays. Looking the methods up by name
+    on the owner (not caching functions per class) keeps a subclass's or a patched method.
+    """
 
     def __init__(self, lifecycle: Lifecycle, owner: object, prefix: str, side: str) -> None:
         self.lifecycle = lifecycle
         self.side = side
         self.recorder: Recorder | None = None
         self.on_terminal: Callable[[Any], None] | None = None
+        self._owner = owner
+        names = _names(lifecycle, prefix)
+        names.check(type(owner))
+        self._names = names.rules
         self._table: dict[tuple[str, str], tuple[_Rule, ...]] = {}
         self._scratch: dict[str, bool] = {}
-        for event, by_state in lifecycle.table.items():
-            for state, rules in by_state.items():
-                self._table[(state, event)] = tuple(
-                    (
-                        tuple(
-                            (g, _bind(owner, f"{prefix}guard_{g}"), want) for g, want in r.guards
-                        ),
-                        r.dest,
-                        tuple(_bind(owner, f"{prefix}cmd_{c}") for c in r.commands),
-                        r.commands,
-                        r.dest in lifecycle.terminal,
-                    )
-                    for r in rules
-                )
 
     def accepts(self, state: str, event: str) -> bool:
         """Whether `event` has a transition from `state`."""
-        return (state, event) in self._table
+        return (state, event) in self._names
+
+    def _bind(self, key: tuple[str, str]) -> tuple[_Rule, ...] | None:
+        named = self._names.get(key)
+        if named is None:
+            return None
+        owner = self._owner
+        rules = self._table[key] = tuple(
+            (
+                tuple((g, getattr(owner, attr), want) for g, attr, want in guards),
+                dest,
+                tuple(getattr(owner, attr) for attr in commands),
+                names,
+                terminal,
+            )
+            for guards, dest, commands, names, terminal in named
+        )
+        return rules
 
     def fire(self, inst: Any, event: str, now: float) -> str:
         """Take the first transition of (inst.state, event) whose guards hold; return its dest.
@@ -90,7 +106,7 @@ class Dispatcher:
         Raises the `ProtocolError` of the event's origin when the state does not accept it.
         """
         source = inst.state
-        rules = self._table.get((source, event))
+        rules = self._table.get((source, event)) or self._bind((source, event))
         if rules is None:
             raise protocol_error(
                 self.lifecycle.origins[event],
@@ -132,11 +148,51 @@ def _choose(rules: tuple[_Rule, ...], inst: Any, seen: dict[str, bool]) -> _Rule
     return rules[-1]
 
 
-def _bind(owner: object, attr: str) -> Callable[[Any], Any]:
-    fn = getattr(owner, attr, None)
-    if fn is None:
-        raise TypeError(f"{type(owner).__name__} does not implement {attr} named in the model")
-    return fn  # type: ignore[no-any-return]
+# A rule with the owner's method names in place of the methods.
+_NamedRule = tuple[tuple[tuple[str, str, bool], ...], str, tuple[str, ...], tuple[str, ...], bool]
+
+
+class _Names:
+    """A lifecycle's table for one prefix, keyed by (state, event), methods as names; and the
+    owner classes known to implement every one."""
+
+    def __init__(self, lifecycle: Lifecycle, prefix: str) -> None:
+        self.rules: dict[tuple[str, str], tuple[_NamedRule, ...]] = {
+            (state, event): tuple(
+                (
+                    tuple((g, f"{prefix}guard_{g}", want) for g, want in r.guards),
+                    r.dest,
+                    tuple(f"{prefix}cmd_{c}" for c in r.commands),
+                    r.commands,
+                    r.dest in lifecycle.terminal,
+                )
+                for r in rules
+            )
+            for event, by_state in lifecycle.table.items()
+            for state, rules in by_state.items()
+        }
+        self.implemented: weakref.WeakSet[type] = weakref.WeakSet()
+
+    def check(self, cls: type) -> None:
+        """TypeError unless `cls` has every method named (checked once per class)."""
+        if cls in self.implemented:
+            return
+        for guards, _, commands, _, _ in itertools.chain.from_iterable(self.rules.values()):
+            for attr in (*(g[1] for g in guards), *commands):
+                if not callable(getattr(cls, attr, None)):
+                    raise TypeError(f"{cls.__name__} does not implement {attr} named in the model")
+        self.implemented.add(cls)
+
+
+_named: weakref.WeakKeyDictionary[Lifecycle, dict[str, _Names]] = weakref.WeakKeyDictionary()
+
+
+def _names(lifecycle: Lifecycle, prefix: str) -> _Names:
+    by_prefix = _named.setdefault(lifecycle, {})
+    names = by_prefix.get(prefix)
+    if names is None:
+        names = by_prefix[prefix] = _Names(lifecycle, prefix)
+    return names
 
 
 class Tombstones:

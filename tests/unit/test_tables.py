@@ -147,6 +147,33 @@ def test_dispatcher_requires_every_guard_and_command() -> None:
         Dispatcher(lc, owner, PREFIX, "transfer")
 
 
+def test_a_method_patched_on_the_class_reaches_owners_built_after_it() -> None:
+    # Dispatchers share one table of names per lifecycle and bind per owner: planted-bug tests
+    # patch a core's class and rely on every core built afterwards running the patch, even
+    # where an earlier core of that class already ran the same transition.
+    lc, state, event, rule = next(
+        (lc, s, e, rules[0])
+        for lc in map(load, MODEL_NAMES)
+        for e, by_state in lc.table.items()
+        for s, rules in by_state.items()
+        if len(rules) == 1 and rules[0].commands
+    )
+    calls: list[str] = []
+    ns: dict[str, Any] = {
+        f"{PREFIX}guard_{g.name}": lambda self, inst: True for g in lc.model.guards
+    }
+    ns |= {
+        f"{PREFIX}cmd_{c.name}": lambda self, inst: calls.append("old") for c in lc.model.commands
+    }
+    owner_class = type("Owner", (), ns)
+    Dispatcher(lc, owner_class(), PREFIX, lc.model.machine.side).fire(fake(state), event, 0.0)
+    assert calls == ["old"] * len(rule.commands)
+    setattr(owner_class, f"{PREFIX}cmd_{rule.commands[0]}", lambda self, inst: calls.append("new"))
+    calls.clear()
+    Dispatcher(lc, owner_class(), PREFIX, lc.model.machine.side).fire(fake(state), event, 0.0)
+    assert calls[0] == "new"
+
+
 @given(st.data())
 def test_dispatcher_walk_agrees_with_machine(data: st.DataObject) -> None:
     lc = load(data.draw(st.sampled_from(MODEL_NAMES), label="lifecycle"))
