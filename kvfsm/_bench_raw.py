@@ -34,6 +34,7 @@ __all__ = [
     "plan_requests",
     "recv_bounded",
     "run_variant",
+    "serve_target",
 ]
 
 Variant = Literal["raw_vllm_style", "raw", "raw_unmerged"]
@@ -152,7 +153,10 @@ def check_sink(plan: BenchPlan, sink: npt.NDArray[np.uint8]) -> bool:
     )
 
 
-def _target(plan: BenchPlan, variant: Variant, conn: Connection) -> None:
+def serve_target(plan: BenchPlan, variant: Variant, conn: Connection) -> None:
+    """The passive side of a raw run, in a process of its own: register the buffer, send
+    (agent metadata, buffer address), progress UCX until the initiator says it is done, then
+    send whether every byte arrived (True on the source side)."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     from kvfsm.fabric import NixlFabric
 
@@ -262,7 +266,7 @@ def run_variant(plan: BenchPlan, variant: Variant) -> dict[str, Any]:
     t_conn, t_child = ctx.Pipe()
     i_conn, i_child = ctx.Pipe()
     procs = [
-        ctx.Process(target=_target, args=(plan, variant, t_child), daemon=True),
+        ctx.Process(target=serve_target, args=(plan, variant, t_child), daemon=True),
         ctx.Process(target=_initiator_main, args=(plan, variant, i_child), daemon=True),
     ]
     for p in procs:
