@@ -107,8 +107,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     check.add_argument("--faults", type=int, default=2, help="injected faults per path at most")
     check.add_argument("--requests", type=int, choices=[1, 2], default=2)
     check.add_argument(
-        "--depth", type=int, default=None, help="actions per path at most (default: 8, CI's bound)"
+        "--depth", type=int, default=None, help="actions per path at most (default: 9, CI's bound)"
     )
+    check.add_argument(
+        "--workers", type=int, default=None,
+        help="processes replaying paths (default: one per CPU; the report is the same)",
+    )  # fmt: skip
     check.add_argument("--json", action="store_true", help="print one JSON object")
 
     args = parser.parse_args(argv)
@@ -234,17 +238,18 @@ def _check(args: argparse.Namespace) -> int:
 
     from kvfsm._render import figures_table, progress_bar
     from kvfsm.core import Mode
-    from kvfsm.testing import MAX_DEPTH, run_check
+    from kvfsm.testing import MAX_DEPTH, default_workers, run_check
 
     depth = MAX_DEPTH if args.depth is None else args.depth
-    if args.faults < 0 or depth < 1:
-        print("kvfsm check: --faults must be >= 0 and --depth >= 1", file=sys.stderr)
+    workers = default_workers() if args.workers is None else args.workers
+    if args.faults < 0 or depth < 1 or workers < 1:
+        print("kvfsm check: --faults must be >= 0, --depth and --workers >= 1", file=sys.stderr)
         return 2
     modes: list[Mode] = ["push", "pull"] if args.mode == "both" else [args.mode]
     with progress_bar(depth * len(modes), enabled=not args.json, label="depth levels") as advance:
         reports = [
             run_check(m, max_faults=args.faults, requests=args.requests, max_depth=depth,
-                      progress=advance)
+                      workers=workers, progress=advance)
             for m in modes
         ]  # fmt: skip
     found = [{"mode": r.mode, **msgspec.to_builtins(v)} for r in reports for v in r.violations]

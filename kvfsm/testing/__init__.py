@@ -3,7 +3,8 @@ state machine over it, the bounded exhaustive check over it (`kvfsm check`), sce
 replayed on it, the transition coverage report, and recognisable KV contents checkable on any
 rank of any geometry."""
 
-from kvfsm.testing._check import MAX_DEPTH, CheckReport, CheckViolation, run_check
+from kvfsm.testing._check import MAX_DEPTH, CheckReport, CheckViolation
+from kvfsm.testing._check_search import default_workers, run_check
 from kvfsm.testing._cluster import (
     FAST_CONFIG,
     SIM_GEOMETRY,
@@ -37,6 +38,7 @@ __all__ = [
     "ScenarioReport",
     "SimCluster",
     "check_request",
+    "default_workers",
     "load_scenario",
     "machine_for",
     "request_seed",

@@ -12,11 +12,12 @@ under way, kill or silence an agent. A fault hits one pending event, so each can
 The fabric has UCX-over-TCP's quirk throughout: a transfer released while it moves still lands
 `LATE_S` later unless an end is dead or silenced by then.
 
-Search: breadth first, stateless with replay: a state is its action sequence, replayed on a fresh
-deterministic cluster (deep copies are unsafe: engines hold closures over their cluster). Every
-replay is checked (ledger, conformance); a path ends when nothing is enabled or at `max_depth`,
-and then gets the stateful suite's end-of-run checks (every prefill finished, time run until
-quiet, quiescence, shut down, again). The first trace of each distinct problem is a shortest one.
+Search (`kvfsm.testing._check_search`): breadth first, stateless with replay: a state is its
+action sequence, replayed on a fresh deterministic cluster (deep copies are unsafe: engines hold
+closures over their cluster), in this process or in worker processes. Every replay is checked
+(ledger, conformance); a path ends when nothing is enabled or at `max_depth`, and then gets the
+stateful suite's end-of-run checks (every prefill finished, time run until quiet, quiescence,
+shut down, again). The first trace of each distinct problem is a shortest one.
 
 States are deduplicated by a fingerprint (`kvfsm.testing._check_state`: what it keeps and what
 it leaves out).
@@ -26,19 +27,15 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import time
-from collections.abc import Callable, Hashable
 from typing import Any
 
 import msgspec
 
 from kvfsm.core import Mode, Step
 from kvfsm.fabric import SimFaults
-from kvfsm.lifecycle import MODEL_NAMES, load
 from kvfsm.testing._check_state import (
     Namer,
     agent_of,
-    fingerprint,
     flight_of,
     handshakes,
     is_late_bytes,
@@ -47,11 +44,12 @@ from kvfsm.testing._check_state import (
 )
 from kvfsm.testing._cluster import FAST_CONFIG, SimCluster
 
-__all__ = ["DELAY_S", "LATE_S", "MAX_DEPTH", "CheckReport", "CheckViolation", "run_check"]
+__all__ = ["DELAY_S", "LATE_S", "MAX_DEPTH", "CheckReport", "CheckViolation"]
 
-MAX_DEPTH = 8
+MAX_DEPTH = 9
 """Actions per path at most (a path cut here still gets the end-of-run checks): the deepest
-bound at which both modes, 2 requests and 2 faults, fit in CI's minutes (docs/testing.md)."""
+bound at which both modes, 2 requests and 2 faults, fit in CI's minutes with its two cores as
+two workers (docs/testing.md)."""
 DELAY_S = 2.5
 """The delay fault: past the stall bound, the lease, the watchdog and P's stall bound."""
 LATE_S = 0.5
@@ -265,92 +263,3 @@ def _end_of_run(c: SimCluster) -> list[str]:
 
 def _conformance(c: SimCluster) -> list[str]:
     return list(c.conformance.violations) if c.conformance is not None else []
-
-
-class _Search:
-    """The breadth-first search's books."""
-
-    def __init__(self, mode: Mode, report: CheckReport) -> None:
-        self.mode: Mode = mode
-        self.report = report
-        self.answers: dict[Any, Any] = {}
-        self.taken: set[Any] = set()
-        self.seen: set[Hashable] = set()
-        self.found: dict[str, CheckViolation] = {}
-        self.actions: dict[Path, list[Action]] = {}
-
-    def visit(self, path: Path) -> bool:
-        """Replay `path` and check it; True if it reached a new state to expand."""
-        report = self.report
-        run = _Run(self.mode, self.answers, self.taken)
-        for action in path:
-            run.apply(action)
-        c = run.cluster
-        problems, at_end = c.ledger.violations + _conformance(c), False
-        if not problems:
-            fp = fingerprint(run.cluster, run.faults, frozenset(run.spent))
-            if fp in self.seen:
-                return False
-            self.seen.add(fp)
-            enabled = run.enabled(report.max_faults, report.requests)
-            if enabled and len(path) < report.depth_bound:
-                self.actions[path] = enabled
-                return True
-            report.paths += 1
-            report.paths_cut += bool(enabled)
-            problems, at_end = _end_of_run(c), True
-        if problems:
-            report.violating_transitions += 1
-            named = [Namer(c).id(p) for p in dict.fromkeys(problems)]
-            if named[0] not in self.found:
-                self.found[named[0]] = CheckViolation(self._trace(path, at_end), named)
-        return False
-
-    def _trace(self, path: Path, at_end: bool) -> list[str]:
-        """The readable trace of `path` (replayed once more, with labels)."""
-        run = _Run(self.mode, self.answers, self.taken)
-        run.labelled = True
-        for action in path:
-            run.apply(action)
-        return run.labels + [_END] * at_end
-
-
-def run_check(
-    mode: Mode,
-    *,
-    max_faults: int = 2,
-    requests: int = 2,
-    max_depth: int = MAX_DEPTH,
-    progress: Callable[[int], None] | None = None,
-) -> CheckReport:
-    """Explore every interleaving of `requests` requests (1 or 2) on 1 P and 1 D in `mode`, with
-    up to `max_faults` faults and `max_depth` actions per path, breadth first; `progress(n)`
-    reports depth levels done (`max_depth` in all)."""
-    if not 1 <= requests <= len(_BLOCKS) or max_faults < 0 or max_depth < 1:
-        raise ValueError(f"requests must be 1 to {len(_BLOCKS)}, faults >= 0 and depth >= 1")
-    start = time.perf_counter()
-    report = CheckReport(mode, max_faults, requests, max_depth)
-    search = _Search(mode, report)
-    level: list[Path] = [()] if search.visit(()) else []
-    depth = 0
-    while level:
-        depth += 1
-        nxt: list[Path] = []
-        for path in level:
-            for action in search.actions.pop(path):
-                report.transitions += 1
-                if search.visit((*path, action)):
-                    nxt.append((*path, action))
-        report.max_depth = depth
-        if progress is not None:
-            progress(1)
-        level = nxt
-    if progress is not None and depth < max_depth:
-        progress(max_depth - depth)
-    report.states_explored = len(search.seen)
-    report.model_transitions_taken = len(search.taken)
-    models = [m for m in MODEL_NAMES if not m.endswith(("_push", "_pull")) or m.endswith(mode)]
-    report.model_transitions = sum(len(load(name).edges) for name in models)
-    report.violations = list(search.found.values())
-    report.elapsed_s = round(time.perf_counter() - start, 3)
-    return report

@@ -1,27 +1,29 @@
 """`kvfsm check`: the bounded exhaustive exploration finds nothing wrong in the core at CI's bound,
 explores one request's whole space to its end, catches a planted protocol bug with a shortest
-trace, and its command line reports the figures and the violations."""
+trace, finds exactly the same with worker processes as without, and its command line reports
+the figures and the violations."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+import msgspec
 import pytest
 
 from kvfsm.cli import main
 from kvfsm.core import Consumer
 from kvfsm.testing import MAX_DEPTH, run_check
 
-# Measured at the default bound (2 requests, 2 faults, depth 8): about 23,000 states per mode.
+# Measured at the default bound (2 requests, 2 faults, depth 9): 65,000-71,000 states per mode.
 # Well below, so the core may grow or shrink a little; far above what a broken explorer (an
 # action or fault kind never tried, a fingerprint that merges everything) would reach.
-_AT_LEAST = 10_000
+_AT_LEAST = 30_000
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_default_bound_finds_no_violation(mode: str) -> None:
-    report = run_check(mode)  # type: ignore[arg-type]
+    report = run_check(mode, workers=2)  # type: ignore[arg-type]
     assert report.violations == [], report.violations[:3]
     assert report.states_explored > _AT_LEAST
     assert report.transitions > report.states_explored  # duplicates were met and merged
@@ -57,8 +59,40 @@ def test_planted_bug_is_caught_with_a_shortest_trace(monkeypatch: pytest.MonkeyP
     assert any("Failure of r1" in step for step in first.trace)
 
 
+def _figures(report: Any) -> dict[str, Any]:
+    """A report without its wall time."""
+    return {k: v for k, v in msgspec.to_builtins(report).items() if k != "elapsed_s"}
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_workers_find_exactly_what_one_process_finds(mode: str) -> None:
+    bound = {"max_faults": 2, "requests": 2, "max_depth": 5}
+    alone = run_check(mode, **bound)  # type: ignore[arg-type]
+    assert alone.states_explored > 500 and alone.paths_cut > 0
+    assert _figures(run_check(mode, workers=2, **bound)) == _figures(alone)  # type: ignore[arg-type]
+
+
+def test_workers_report_the_same_violations_and_traces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two planted bugs at once: the workers (forked: the patches reach them) find the same
+    problems, counted the same, with the same shortest traces."""
+    monkeypatch.setattr(Consumer, "_on_failure", _failure_taken_for_completion)
+    monkeypatch.setattr(Consumer, "_may_still_land", lambda self, req: False)
+    alone = run_check("push", max_faults=1, requests=1, max_depth=9)
+    assert len(alone.violations) == 2 and alone.violating_transitions > 2
+    assert _figures(run_check("push", max_faults=1, requests=1, max_depth=9, workers=2)) == (
+        _figures(alone)
+    )
+
+
+def test_bad_bounds_are_refused() -> None:
+    with pytest.raises(ValueError, match="workers >= 1"):
+        run_check("push", workers=0)
+    assert main(["check", "--workers", "0"]) == 2
+
+
 def test_cli_json_as_a_user_runs_it(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["check", "--mode", "both", "--requests", "1", "--faults", "1", "--depth", "5"]
+    argv += ["--workers", "2"]
     assert main([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["violations"] == []
