@@ -42,11 +42,13 @@ __all__ = ["default_workers", "run_check"]
 
 _PARENTS_PER_TASK = 4  # parents a worker expands per task: fewer messages, same order
 
+Level = list[tuple[Path, tuple[Action, ...]]]  # a depth level: paths and the actions to try
+
 
 class _Found(NamedTuple):
     """What replaying one path found."""
 
-    problems: list[str]  # named, first first; with no `key`, the replay itself broke them
+    problems: list[str]  # named, in the order found; with no `key`, the replay broke them
     key: Hashable | None = None  # the state's fingerprint; None: known already, or broken
     enabled: tuple[Action, ...] = ()  # to expand: the path may go on (else it ended here)
     cut: bool = False  # it ended at the depth bound with actions still enabled
@@ -94,6 +96,13 @@ def _named(c: Any, problems: list[str]) -> list[str]:
     return [Namer(c).id(p) for p in dict.fromkeys(problems)]
 
 
+def _children(explorer: _Explorer, level: Level) -> Iterator[_Found]:
+    """Replay every child of `level`'s paths, in order."""
+    for path, actions in level:
+        for action in actions:
+            yield explorer.explore((*path, action))
+
+
 class _Search:
     """The breadth-first search's books."""
 
@@ -134,17 +143,15 @@ def _start_worker(mode: Mode, report: CheckReport) -> None:
     _worker = _Explorer(mode, report, _reported.__contains__)
 
 
-def _expand(parents: list[tuple[Path, tuple[Action, ...]]]) -> tuple[list[_Found], set[Any]]:
+def _expand(parents: Level) -> tuple[list[_Found], set[Any]]:
     """In a worker: replay every child of `parents`, in order; also the model transitions taken
     that this worker has not reported yet."""
     assert _worker is not None
     out = []
-    for path, actions in parents:
-        for action in actions:
-            found = _worker.explore((*path, action))
-            if found.key is not None:
-                _reported.add(found.key)
-            out.append(found)
+    for found in _children(_worker, parents):  # lazily: a sibling's state is known at once
+        if found.key is not None:
+            _reported.add(found.key)
+        out.append(found)
     fresh = _worker.taken - _taken_sent
     _taken_sent.update(fresh)
     return out, fresh
@@ -175,7 +182,7 @@ def run_check(
     start = time.perf_counter()
     report = CheckReport(mode, max_faults, requests, max_depth)
     search = _Search(mode, report)
-    level: list[tuple[Path, tuple[Action, ...]]] = []
+    level: Level = []
     if actions := search.take((), search.explorer.explore(())):
         level.append(((), actions))
     replayers = _Replayers(mode, report, workers, search.explorer)
@@ -223,7 +230,7 @@ class _Replayers:
                 )
                 self.pool = ctx.Pool(workers, _start_worker, (mode, report))
 
-    def __enter__(self) -> Callable[[list[tuple[Path, tuple[Action, ...]]]], Iterator[_Found]]:
+    def __enter__(self) -> Callable[[Level], Iterator[_Found]]:
         return self.replay
 
     def __exit__(self, *exc: object) -> None:
@@ -231,11 +238,9 @@ class _Replayers:
             self.pool.terminate()
             self.pool.join()
 
-    def replay(self, level: list[tuple[Path, tuple[Action, ...]]]) -> Iterator[_Found]:
+    def replay(self, level: Level) -> Iterator[_Found]:
         if self.pool is None:
-            for path, actions in level:
-                for action in actions:
-                    yield self.here.explore((*path, action))
+            yield from _children(self.here, level)
             return
         tasks = [level[i : i + _PARENTS_PER_TASK] for i in range(0, len(level), _PARENTS_PER_TASK)]
         for found, taken in self.pool.imap(_expand, tasks):
