@@ -65,11 +65,16 @@ class _Explorer:
         self.answers: dict[Any, Any] = {}
         self.taken: set[Any] = set()
 
-    def explore(self, path: Path) -> _Found:
-        """Replay `path` and check it; the path's end gets the end-of-run checks."""
+    def _replay(self, path: Path, labelled: bool = False) -> _Run:
         run = _Run(self.mode, self.answers, self.taken)
+        run.labelled = labelled
         for action in path:
             run.apply(action)
+        return run
+
+    def explore(self, path: Path) -> _Found:
+        """Replay `path` and check it; the path's end gets the end-of-run checks."""
+        run = self._replay(path)
         c = run.cluster
         if problems := c.ledger.violations + _conformance(c):
             return _Found(_named(c, problems))
@@ -85,22 +90,21 @@ class _Explorer:
 
     def trace(self, path: Path, at_end: bool) -> list[str]:
         """The readable trace of `path` (replayed once more, with labels)."""
-        run = _Run(self.mode, self.answers, self.taken)
-        run.labelled = True
-        for action in path:
-            run.apply(action)
-        return run.labels + [_END] * at_end
+        return self._replay(path, labelled=True).labels + [_END] * at_end
 
 
 def _named(c: Any, problems: list[str]) -> list[str]:
     return [Namer(c).id(p) for p in dict.fromkeys(problems)]
 
 
+def _child_paths(level: Level) -> Iterator[Path]:
+    """Every child of `level`'s paths, in order."""
+    return ((*path, action) for path, actions in level for action in actions)
+
+
 def _children(explorer: _Explorer, level: Level) -> Iterator[_Found]:
     """Replay every child of `level`'s paths, in order."""
-    for path, actions in level:
-        for action in actions:
-            yield explorer.explore((*path, action))
+    return (explorer.explore(path) for path in _child_paths(level))
 
 
 class _Search:
@@ -191,8 +195,7 @@ def run_check(
         while level:
             depth += 1
             nxt = []
-            children = ((*path, a) for path, actions in level for a in actions)
-            for path, found in zip(children, replay(level), strict=True):
+            for path, found in zip(_child_paths(level), replay(level), strict=True):
                 report.transitions += 1
                 if actions := search.take(path, found):
                     nxt.append((path, actions))
