@@ -19,7 +19,7 @@ import multiprocessing as mp
 import os
 import time
 import warnings
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from kvfsm.core import Mode
@@ -49,7 +49,7 @@ class _Found(NamedTuple):
     """What replaying one path found."""
 
     problems: list[str]  # named, in the order found; with no `key`, the replay broke them
-    key: Hashable | None = None  # the state's fingerprint; None: known already, or broken
+    key: bytes | None = None  # the state's fingerprint; None: known already, or broken
     enabled: tuple[Action, ...] = ()  # to expand: the path may go on (else it ended here)
     cut: bool = False  # it ended at the depth bound with actions still enabled
     at_end: bool = False  # `problems` are the end-of-run checks'
@@ -58,7 +58,7 @@ class _Found(NamedTuple):
 class _Explorer:
     """Replays paths of one bound; `known` says which states need no further work."""
 
-    def __init__(self, mode: Mode, report: CheckReport, known: Callable[[Hashable], bool]):
+    def __init__(self, mode: Mode, report: CheckReport, known: Callable[[bytes], bool]):
         self.mode: Mode = mode
         self.bound = (report.max_faults, report.requests, report.depth_bound)
         self.known = known
@@ -112,9 +112,10 @@ class _Search:
 
     def __init__(self, mode: Mode, report: CheckReport) -> None:
         self.report = report
-        self.seen: set[Hashable] = set()
+        self.seen: set[bytes] = set()
         self.explorer = _Explorer(mode, report, self.seen.__contains__)
         self.found: dict[str, CheckViolation] = {}
+        self.actions: dict[Action, Action] = {}  # one object per distinct action: paths share them
 
     def take(self, path: Path, found: _Found) -> tuple[Action, ...]:
         """Book what replaying `path` found; returns the actions to try from it (none: do not
@@ -125,7 +126,7 @@ class _Search:
                 return ()  # another worker met it first
             self.seen.add(found.key)
             if found.enabled:
-                return found.enabled
+                return tuple(self.actions.setdefault(a, a) for a in found.enabled)
             report.paths += 1
             report.paths_cut += found.cut
         if found.problems:
@@ -138,7 +139,7 @@ class _Search:
 
 # A worker process's explorer, set up once by `_start_worker`.
 _worker: _Explorer | None = None
-_reported: set[Hashable] = set()
+_reported: set[bytes] = set()
 _taken_sent: set[Any] = set()
 
 
