@@ -13,8 +13,7 @@ import itertools
 import math
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeVar
 
 import numpy as np
@@ -137,7 +136,7 @@ class NixlFabric:
         self._name = name
         if agent is None:
             api = nixl_api()
-            self._errors = _error_map(_bindings(api))
+            self._translated = _Translation(name, _error_map(_bindings(api)))
             config = api.nixl_agent_config(
                 enable_prog_thread=progress_thread, capture_telemetry=telemetry, backends=[]
             )
@@ -146,10 +145,10 @@ class NixlFabric:
             # way to bound how long bytes of a released transfer may wait in a TCP socket.
             os.environ.setdefault("UCX_TCP_USER_TIMEOUT", TCP_USER_TIMEOUT_DEFAULT)
             # The UCX backend is created here, not by the config, to pass it init parameters.
-            with self._translated():
+            with self._translated:
                 agent.create_backend("UCX", {"ucx_error_handling_mode": ucx_error_handling})
         else:
-            self._errors = {}
+            self._translated = _Translation(name, {})
         self._agent = agent
         self._late_delivery_s = tcp_late_delivery_s()
         self._mem_type = mem_type
@@ -185,13 +184,13 @@ class NixlFabric:
         if mem_type != self._mem_type:
             raise TypeError(f"{self._name} transfers {self._mem_type}; this buffer is {mem_type}")
         descs = self._agent.get_reg_descs([(addr, nbytes, device, "")], mem_type)
-        with self._translated():
+        with self._translated:
             registered = self._agent.register_memory(descs)
         return self._keep(self._memory, registered)
 
     def deregister_memory(self, handle: MemoryHandle) -> None:
         """Deregister a buffer."""
-        with self._translated():
+        with self._translated:
             self._agent.deregister_memory(self._take(self._memory, handle))
 
     def get_agent_metadata(self) -> bytes:
@@ -201,7 +200,7 @@ class NixlFabric:
 
     def add_remote_agent(self, metadata: bytes) -> str:
         """Load a peer's metadata; returns its name."""
-        with self._translated():
+        with self._translated:
             name = self._agent.add_remote_agent(metadata)
         agent = name.decode() if isinstance(name, bytes) else str(name)
         self._remotes.add(agent)
@@ -210,20 +209,20 @@ class NixlFabric:
     def remove_remote_agent(self, agent: str) -> None:
         """Forget a peer."""
         self._remotes.discard(agent)
-        with self._translated():
+        with self._translated:
             self._agent.remove_remote_agent(agent)
 
     def prep_xfer_dlist(self, agent: str | None, descs: DescArray) -> DlistHandle:
         """Prepare a descriptor list of local memory (`agent=None`) or of a loaded peer's."""
         rows = np.ascontiguousarray(descs, dtype=np.int64)
-        with self._translated():
+        with self._translated:
             xfer_descs = self._agent.get_xfer_descs(rows, self._mem_type)
             dlist = self._agent.prep_xfer_dlist(agent or _LOCAL, xfer_descs, self._mem_type)
         return self._keep(self._dlists, dlist)
 
     def release_dlist_handle(self, handle: DlistHandle) -> None:
         """Release a prepared list."""
-        with self._translated():
+        with self._translated:
             self._agent.release_dlist_handle(self._take(self._dlists, handle))
 
     def make_prepped_xfer(
@@ -239,7 +238,7 @@ class NixlFabric:
     ) -> XferHandle:
         """Create a transfer between rows of two prepared lists (NIXL merges rows adjacent on
         both sides, unless `merge` is False: for measuring what that merging is worth)."""
-        with self._translated():
+        with self._translated:
             xfer = self._agent.make_prepped_xfer(
                 op, self._get(self._dlists, local), local_idx, self._get(self._dlists, remote),
                 remote_idx, notif, skip_desc_merge=not merge,
@@ -251,7 +250,7 @@ class NixlFabric:
     ) -> XferHandle:
         """Create a transfer between descriptor rows given directly (`initialize_xfer`: no
         merging of adjacent rows)."""
-        with self._translated():
+        with self._translated:
             xfer = self._agent.initialize_xfer(
                 op, self._agent.get_xfer_descs(local, self._mem_type),
                 self._agent.get_xfer_descs(remote, self._mem_type), agent, notif,
@@ -260,24 +259,24 @@ class NixlFabric:
 
     def transfer(self, handle: XferHandle) -> XferState:
         """Post a transfer."""
-        with self._translated():
+        with self._translated:
             return self._state(self._agent.transfer(self._get(self._xfers, handle)))
 
     def check_xfer_state(self, handle: XferHandle) -> XferState:
         """Progress and report a posted transfer."""
-        with self._translated():
+        with self._translated:
             return self._state(self._agent.check_xfer_state(self._get(self._xfers, handle)))
 
     def release_xfer_handle(self, handle: XferHandle) -> None:
         """Release a transfer (NIXL aborts one still in progress)."""
-        with self._translated():
+        with self._translated:
             self._agent.release_xfer_handle(self._take(self._xfers, handle))
 
     def xfer_telemetry(self, handle: XferHandle) -> XferTelemetry | None:
         """NIXL's measurement of a finished transfer (None with telemetry off)."""
         if not self._telemetry:
             return None
-        with self._translated():
+        with self._translated:
             t = self._agent.get_xfer_telemetry(self._get(self._xfers, handle))
         return XferTelemetry(
             float(t.postDuration), float(t.xferDuration), int(t.totalBytes), int(t.descCount)
@@ -285,12 +284,12 @@ class NixlFabric:
 
     def send_notif(self, agent: str, msg: bytes) -> None:
         """Send a notification to a loaded peer."""
-        with self._translated():
+        with self._translated:
             self._agent.send_notif(agent, msg)
 
     def get_new_notifs(self) -> dict[str, list[bytes]]:
         """Notifications received since the last call, by sender."""
-        with self._translated():
+        with self._translated:
             notifs: dict[Any, list[bytes]] = self._agent.get_new_notifs()
         return {(k.decode() if isinstance(k, bytes) else str(k)): v for k, v in notifs.items()}
 
@@ -341,15 +340,25 @@ class NixlFabric:
             return state  # type: ignore[return-value]
         raise FabricError(f"NIXL reported an unknown transfer state {state!r}")
 
-    @contextmanager
-    def _translated(self) -> Iterator[None]:
-        try:
-            yield
-        except FabricError:
-            raise
-        except Exception as exc:  # NIXL raises its own types (and sometimes plain ones)
-            kind = self._errors.get(type(exc).__name__, FabricError)
-            raise kind(f"{self._name}: {type(exc).__name__}: {exc}") from exc
+
+class _Translation:
+    """NIXL's exceptions as kvfsm's `FabricError` kinds, saying which agent raised them: a
+    context manager made once per agent (cheaper than a generator-based one on every call)."""
+
+    __slots__ = ("_errors", "_name")
+
+    def __init__(self, name: str, errors: dict[str, type[FabricError]]) -> None:
+        self._name, self._errors = name, errors
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, _: Any) -> None:
+        # NIXL raises its own types (and sometimes plain ones); ours and non-errors pass as is
+        if exc is None or isinstance(exc, FabricError) or not isinstance(exc, Exception):
+            return
+        error = self._errors.get(type(exc).__name__, FabricError)
+        raise error(f"{self._name}: {type(exc).__name__}: {exc}") from exc
 
 
 def _error_map(bindings: Any) -> dict[str, type[FabricError]]:

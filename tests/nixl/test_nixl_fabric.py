@@ -20,7 +20,7 @@ from kvfsm.core import (
     Producer,
     ReportReceived,
 )
-from kvfsm.fabric import NixlFabric, NotFoundError
+from kvfsm.fabric import FabricError, NixlFabric, NotFoundError
 from kvfsm.layout import KvGeometry
 from kvfsm.runtime import Engine, KvCache, LocalDirectory, RequestTrace
 from kvfsm.testing import PatternCheck, check_request, request_seed, write_request
@@ -78,6 +78,22 @@ def test_transfer_moves_bytes_and_notifies_the_peer(
     a.release_xfer_handle(handle)
     with pytest.raises(NotFoundError):
         a.check_xfer_state(handle)
+
+
+def test_nixl_errors_become_fabric_errors_naming_the_agent(
+    pair: tuple[NixlFabric, NixlFabric],
+) -> None:
+    """NIXL's own exception types reach callers as kvfsm's kinds, the cause kept."""
+    a, _ = pair
+    with pytest.raises(NotFoundError, match=f"^{a.agent_name}: nixlNotFoundError") as lost:
+        a.send_notif("nobody-loaded", b"x")  # no such peer
+    assert type(lost.value.__cause__).__name__ == "nixlNotFoundError"
+    buf = np.zeros(4096, dtype=np.uint8)
+    a.register_memory(buf)
+    local = a.prep_xfer_dlist(None, _rows(buf, 4, 1024))
+    with pytest.raises(FabricError, match=f"^{a.agent_name}: nixlInvalidParamError") as bad:
+        a.make_prepped_xfer("WRITE", local, np.array([0]), local, np.array([1]), b"")
+    assert not isinstance(bad.value, NotFoundError)  # a kind of its own is not invented
 
 
 def test_close_releases_everything(pair: tuple[NixlFabric, NixlFabric]) -> None:
