@@ -6,6 +6,9 @@ the figures and the violations."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from typing import Any
 
 import msgspec
@@ -82,6 +85,53 @@ def test_workers_report_the_same_violations_and_traces(monkeypatch: pytest.Monke
     assert _figures(run_check("push", max_faults=1, requests=1, max_depth=9, workers=2)) == (
         _figures(alone)
     )
+
+
+# Two requests admitted, each aborted on P while D still holds it: two aborts spent, which a
+# set would keep in an order that depends on the process's hash seed.
+_TWO_ABORTS = (
+    ("admit", "r1", "D"),
+    ("admit", "r2", "D"),
+    ("abort", "r1", "P"),
+    ("abort", "r2", "P"),
+)
+_DIGEST = """
+from kvfsm.testing._check import _Run
+from kvfsm.testing._check_state import fingerprint
+run = _Run("pull", {{}}, set())
+for action in {path!r}:
+    run.apply(action)
+print(fingerprint(run.cluster, run.faults, frozenset(run.spent)).hex())
+"""
+
+
+def test_a_state_has_one_digest_in_every_process() -> None:
+    """The search keeps digests, so a state's fingerprint must not depend on the process: it
+    holds only plain values in a canonical order (no sets), and processes with other hash seeds
+    (spawned workers, another run) compute the same digest."""
+    from kvfsm.testing._check import _Run
+    from kvfsm.testing._check_state import fingerprint, state_print
+
+    run = _Run("pull", {}, set())
+    for action in _TWO_ABORTS:
+        run.apply(action)
+    printed = state_print(run.cluster, run.faults, frozenset(run.spent))
+    assert printed[-1] == (("abort", "r1", "P"), ("abort", "r2", "P"))  # both spent, in order
+
+    def plain(value: Any) -> bool:
+        if isinstance(value, tuple):
+            return all(map(plain, value))
+        return value is None or isinstance(value, str | int | float)
+
+    assert plain(printed)
+    here = fingerprint(run.cluster, run.faults, frozenset(run.spent)).hex()
+    script = _DIGEST.format(path=_TWO_ABORTS)
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+        )
+        assert out.stdout.strip() == here
 
 
 def test_bad_bounds_are_refused() -> None:
