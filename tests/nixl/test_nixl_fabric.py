@@ -93,7 +93,7 @@ def test_nixl_errors_become_fabric_errors_naming_the_agent(
     local = a.prep_xfer_dlist(None, _rows(buf, 4, 1024))
     with pytest.raises(FabricError, match=f"^{a.agent_name}: nixlInvalidParamError") as bad:
         a.make_prepped_xfer("WRITE", local, np.array([0]), local, np.array([1]), b"")
-    assert not isinstance(bad.value, NotFoundError)  # a kind of its own is not invented
+    assert not isinstance(bad.value, NotFoundError)  # an unmapped NIXL error stays plain
 
 
 def test_close_releases_everything(pair: tuple[NixlFabric, NixlFabric]) -> None:
