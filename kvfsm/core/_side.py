@@ -34,6 +34,7 @@ from kvfsm.core._io import (
     TransferResult,
 )
 from kvfsm.core._quarantine import Quarantine
+from kvfsm.layout import id_bounds
 from kvfsm.lifecycle import LocalProtocolError, ProtocolError, RemoteProtocolError, load
 from kvfsm.wire import BlockIds, Message, WireError, decode, encode
 
@@ -44,7 +45,6 @@ _MAX_OUTBOX = 256  # replies queued for one peer that is not connected yet
 MAX_PEERS = 4096
 """Peers a side remembers; past it, inert ones (never connected, failed or evicted; unused) go."""
 _INERT = frozenset(("unknown", "failed", "evicted"))
-_FEW_BLOCKS = 32  # up to this many ids, a list's min/max beats numpy's (~1 us per reduction)
 
 
 class TransferTally(msgspec.Struct, gc=False):
@@ -490,9 +490,7 @@ class Side:
 
 def _in_range(ids: np.ndarray) -> bool:
     """Whether every id of a 1-D integer array lies in [0, 2**31)."""
-    if ids.size <= _FEW_BLOCKS:
-        values = ids.tolist()
-        return not values or (min(values) >= 0 and max(values) < 2**31)
-    if ids.dtype == np.int32:  # cannot exceed the upper bound
-        return bool(ids.min() >= 0)
-    return bool(ids.min() >= 0 and ids.max() < 2**31)
+    if not ids.size:
+        return True
+    lo, hi = id_bounds(ids)
+    return lo >= 0 and hi < 2**31

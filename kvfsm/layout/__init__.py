@@ -16,7 +16,7 @@ from kvfsm.layout._blocksize import (
 )
 from kvfsm.layout._coalesce import Coalesced, coalesce
 from kvfsm.layout._geometry import KvGeometry
-from kvfsm.layout._ids import Int64Array
+from kvfsm.layout._ids import Int64Array, id_bounds
 from kvfsm.layout._regions import BlockSlice, RegionLayout, SliceRows, slice_ids, slice_rows
 from kvfsm.layout._tp import (
     RankPairing,
@@ -41,6 +41,7 @@ __all__ = [
     "block_size_factors",
     "check_compatible",
     "coalesce",
+    "id_bounds",
     "local_descriptors",
     "logical_to_kernel",
     "pair_units",

@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvfsm.layout._geometry import KvGeometry
-from kvfsm.layout._ids import Int64Array, as_ids, positive_int
+from kvfsm.layout._ids import Int64Array, as_ids, id_bounds, positive_int
 
 __all__ = ["BlockSlice", "RegionLayout", "SliceRows", "slice_ids", "slice_rows"]
 
@@ -164,11 +164,13 @@ class SliceRows(NamedTuple):
     def __call__(self, units: Int64Array) -> Int64Array:
         """Row ids of `units` (1-D int64) in every plane, plane-major; ValueError if a unit is
         out of range."""
-        if units.size and (units.min() < 0 or units.max() >= self.rows_per_plane):
-            raise ValueError(
-                f"block ids must lie in [0, {self.rows_per_plane}), got values from"
-                f" {int(units.min())} to {int(units.max())}"
-            )
+        if units.size:
+            lo, hi = id_bounds(units)
+            if lo < 0 or hi >= self.rows_per_plane:
+                raise ValueError(
+                    f"block ids must lie in [0, {self.rows_per_plane}), got values from"
+                    f" {lo} to {hi}"
+                )
         rows: Int64Array = (self.plane_starts + units[None, :]).ravel()
         return rows
 

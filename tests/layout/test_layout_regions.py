@@ -8,7 +8,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvfsm.layout import BlockSlice, KvGeometry, RegionLayout, slice_ids
+from kvfsm.layout import BlockSlice, KvGeometry, RegionLayout, id_bounds, slice_ids, slice_rows
 
 # 2 layers, 2 heads of 4 dims, fp16, 2 tokens per block, 3 blocks.
 # One head in one block: 2 tokens * 4 dims * 2 bytes = 16 bytes.
@@ -101,6 +101,33 @@ def test_bad_ids_raise(blocks: object, regions: object, message: str) -> None:
     layout = RegionLayout(KvGeometry(**_TINY), (0, 1000))
     with pytest.raises(ValueError, match=message):
         layout.descriptor_ids(blocks, regions)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("size", [1, 64, 65, 5000])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint64])
+def test_id_bounds_on_few_and_many_ids(size: int, dtype: type) -> None:
+    # Few ids take Python's min/max, many numpy's: both must find the same extremes.
+    ids = np.random.default_rng(size).permutation(size).astype(dtype) + 7
+    assert id_bounds(ids) == (7, size + 6)
+    if dtype is not np.uint64:
+        ids[size // 2] = -3
+        assert id_bounds(ids)[0] == -3
+    else:
+        ids[size // 2] = 2**64 - 1  # beyond int64: kept exact, not wrapped
+        assert id_bounds(ids)[1] == 2**64 - 1
+
+
+@pytest.mark.parametrize("size", [3, 100])
+def test_slice_rows_refuse_units_out_of_range(size: int) -> None:
+    rows = slice_rows(KvGeometry(**(_TINY | {"num_blocks": 200})), BlockSlice())
+    units = np.arange(size, dtype=np.int64)
+    assert rows(units).shape == (2 * size,)
+    units[-1] = 200
+    with pytest.raises(ValueError, match=r"must lie in \[0, 200\), got values from 0 to 200"):
+        rows(units)
+    units[-1], units[0] = 5, -1
+    with pytest.raises(ValueError, match="got values from -1 to"):
+        rows(units)
 
 
 def test_empty_block_list_gives_no_ids() -> None:
