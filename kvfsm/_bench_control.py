@@ -45,7 +45,7 @@ from kvfsm.fabric import SimNetwork
 from kvfsm.layout import KvGeometry
 from kvfsm.runtime import Engine, KvCache, LocalDirectory
 
-__all__ = ["bench", "memory_per_request"]
+__all__ = ["bench", "core_wave", "engine_wave", "make_engines", "memory_per_request"]
 
 _CONFIG = CoreConfig(trace=True)  # history always on, as in production
 
@@ -116,10 +116,9 @@ def measure(run: Callable[[int], None], n: int, total: int, repeat: int) -> floa
     return best
 
 
-def bench(mode: Mode, n: int, total: int, repeat: int) -> dict[str, float]:
-    """Core and engine figures for one mode and number in flight."""
-    p, d = Producer(Identity("P"), mode, _CONFIG), Consumer(Identity("D"), mode, _CONFIG)
-    core_us = measure(lambda w: core_wave(mode, n, p, d, w), n, total, repeat)
+def make_engines(mode: Mode, n: int) -> tuple[Engine, Engine, SimNetwork]:
+    """A P and a D `Engine` on one simulated network, with caches of 64-byte blocks for n
+    requests in flight."""
     net = SimNetwork(0)
     directory = LocalDirectory(lambda: net.now)
     # One region of 64-byte blocks (1 layer, 1 head of 32 bytes for K and V, 1 token).
@@ -132,9 +131,15 @@ def bench(mode: Mode, n: int, total: int, repeat: int) -> dict[str, float]:
         engine = Engine(side, net.agent(side.identity.agent), kv, directory.view(), lambda: net.now)
         directory.publish(engine.agent, engine.info)
         engines.append(engine)
-    engine_us = measure(
-        lambda w: engine_wave(mode, n, engines[0], engines[1], net, w), n, total, repeat
-    )
+    return engines[0], engines[1], net
+
+
+def bench(mode: Mode, n: int, total: int, repeat: int) -> dict[str, float]:
+    """Core and engine figures for one mode and number in flight."""
+    p, d = Producer(Identity("P"), mode, _CONFIG), Consumer(Identity("D"), mode, _CONFIG)
+    core_us = measure(lambda w: core_wave(mode, n, p, d, w), n, total, repeat)
+    ep, ed, net = make_engines(mode, n)
+    engine_us = measure(lambda w: engine_wave(mode, n, ep, ed, net, w), n, total, repeat)
     return {"core_us": round(core_us, 1), "engine_us": round(engine_us, 1)}
 
 
