@@ -69,7 +69,8 @@ def measure(mib: list[int], trials: int) -> dict[str, dict[str, float]]:
         cold: dict[int, list[float]] = {m: [] for m in mib}
         for m, (src, dst) in buffers.items():  # one size at a time: each copy alone before it
             for _ in range(trials):
-                step(), step()
+                step()
+                step()
                 warm.append(_time(step))
                 np.copyto(dst, src)
                 cold[m].append(_time(step))
