@@ -1,0 +1,274 @@
+"""Would the engine's bookkeeping on a second thread overlap UCX's copies? (issue 5)
+
+    .venv/bin/python benchmarks/bookkeeping_thread.py [--op READ|WRITE] [--regions 4]
+        [--blocks-per-request 16] [--requests 64] [--work-us 120] [--rounds 5] [--json]
+
+The engine's per-request Python (~100-140 µs: the core, the rows, messages, outputs) runs on
+the thread that posts, and on one host UCX copies inside the post, so the two add up. The
+binding releases the GIL while it copies, so a second thread could in principle do that work
+meanwhile while one thread alone still calls NIXL. This measures the idea without the engine:
+`kvfsm bench`'s raw loop (a2: the engine's agent settings, prepared per-block rows, 4 in
+flight) against the same loop with `--work-us` of pure-Python work per request (a fixed number
+of dict updates, calibrated once, half before the post and half after the completion)
+
+* **inline**, on the posting thread, as the engine does it, and
+* **thread**, on a helper thread that admits requests and takes their completions while the
+  posting thread only posts and checks (one thread still owns NIXL), at GIL switch intervals
+  of 5 ms (Python's default), 250 µs (kvfsm's vLLM worker) and 50 µs.
+
+Rounds run every variant in turn; each variant's median GB/s and its ratio to the plain loop
+are reported. docs/performance.md has runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from multiprocessing.connection import Connection
+from typing import Any
+
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # inherited by the spawned processes
+
+from kvfsm._bench_raw import (
+    BenchPlan,
+    _ids,
+    _rows,
+    buffer_of,
+    check_sink,
+    plan_requests,
+    recv_bounded,
+    serve_target,
+)
+
+_VARIANTS: tuple[tuple[str, float], ...] = (
+    ("plain", 0.005),
+    ("inline", 0.005),
+    ("thread", 0.005),
+    ("thread", 0.00025),
+    ("thread", 0.00005),
+)
+_WAIT_S = 0.001  # a bound on each wait for the other thread, not a poll interval
+
+
+def _work(units: int) -> None:
+    """Pure-Python work of a fixed size (dict updates, like the engine's bookkeeping)."""
+    d: dict[int, tuple[int, int]] = {}
+    for i in range(units):
+        d[i & 63] = (i, i + 1)
+
+
+def _units_per_us() -> float:
+    _work(20_000)
+    t0 = time.perf_counter()
+    _work(200_000)
+    return 200_000 / ((time.perf_counter() - t0) * 1e6)
+
+
+class _Poster:
+    """The thread that owns NIXL in this measurement: posts prepared transfers, checks them."""
+
+    def __init__(self, plan: BenchPlan, remote: tuple[bytes, int]) -> None:
+        from kvfsm.fabric import NixlFabric
+
+        self.plan = plan
+        self.fabric = NixlFabric("bench-bookkeeping", progress_thread=False, telemetry=True)
+        self.buf = buffer_of(plan, plan.op == "WRITE")
+        self.mem = self.fabric.register_memory(self.buf)
+        self.peer = self.fabric.add_remote_agent(remote[0])
+        self.local = self.fabric.prep_xfer_dlist(None, _rows(plan, int(self.buf.ctypes.data)))
+        self.far = self.fabric.prep_xfer_dlist(self.peer, _rows(plan, remote[1]))
+        self.pending: dict[int, int] = {}
+
+    def post(self, i: int) -> None:
+        mine, theirs = (self.plan.src, self.plan.dst)
+        if self.plan.op == "READ":
+            mine, theirs = theirs, mine
+        rows = (_ids(self.plan, mine[i]), _ids(self.plan, theirs[i]))
+        h = self.fabric.make_prepped_xfer(self.plan.op, self.local, rows[0], self.far, rows[1], b"")
+        self.fabric.transfer(h)
+        self.pending[h] = i
+
+    def finished(self) -> list[int]:
+        done = []
+        for h, i in list(self.pending.items()):
+            state = self.fabric.check_xfer_state(h)
+            if state == "ERR":
+                raise RuntimeError("a transfer ended in ERR")
+            if state == "DONE":
+                self.fabric.xfer_telemetry(h)
+                self.fabric.release_xfer_handle(h)
+                del self.pending[h]
+                done.append(i)
+        return done
+
+    def close(self) -> bool:
+        ok = True if self.plan.op == "WRITE" else check_sink(self.plan, self.buf)
+        for dlist in (self.local, self.far):
+            self.fabric.release_dlist_handle(dlist)
+        self.fabric.remove_remote_agent(self.peer)
+        self.fabric.deregister_memory(self.mem)
+        self.fabric.close()
+        return ok
+
+
+def _inline(poster: _Poster, n: int, units: int) -> None:
+    admitted = done = 0
+    while done < n:
+        while admitted < n and len(poster.pending) < poster.plan.inflight:
+            _work(units)
+            poster.post(admitted)
+            admitted += 1
+        for _ in poster.finished():
+            _work(units)
+            done += 1
+
+
+def _threaded(poster: _Poster, n: int, units: int) -> None:
+    ready: deque[int] = deque()
+    completions: deque[int] = deque()
+    to_poster, to_helper = threading.Event(), threading.Event()
+    done = [0]
+
+    def helper() -> None:  # admits requests and takes completions; never calls NIXL
+        admitted = 0
+        while done[0] < n:
+            busy = False
+            while admitted < n and admitted - done[0] < poster.plan.inflight:
+                _work(units)
+                ready.append(admitted)
+                admitted += 1
+                to_poster.set()
+                busy = True
+            while completions:
+                completions.popleft()
+                _work(units)
+                done[0] += 1
+                busy = True
+            if not busy:
+                to_helper.wait(_WAIT_S)
+                to_helper.clear()
+        to_poster.set()
+
+    thread = threading.Thread(target=helper, daemon=True)
+    thread.start()
+    while done[0] < n:
+        while ready:
+            poster.post(ready.popleft())
+        finished = poster.finished()
+        completions.extend(finished)
+        if finished:
+            to_helper.set()
+        if not ready and not poster.pending:
+            to_poster.wait(_WAIT_S)
+            to_poster.clear()
+    thread.join()
+
+
+def _initiator(
+    plan: BenchPlan, variant: str, switch_s: float, work_us: float, conn: Connection
+) -> None:
+    try:
+        sys.setswitchinterval(switch_s)
+        units = int(work_us / 2 * _units_per_us())
+        poster = _Poster(plan, conn.recv())
+        poster.post(0)  # warm-up: UCX wires its lanes up on the first transfers
+        while not poster.finished():
+            pass
+        n = len(plan.src)
+        t0 = time.perf_counter()
+        if variant == "thread":
+            _threaded(poster, n, units)
+        else:
+            _inline(poster, n, units if variant == "inline" else 0)
+        wall = time.perf_counter() - t0
+        conn.send(("ok", wall, poster.close()))
+    except Exception as exc:  # report: the driver fails the run saying why
+        conn.send(("error", repr(exc), False))
+
+
+def run_once(plan: BenchPlan, variant: str, switch_s: float, work_us: float) -> float:
+    """GB/s of one variant, target and initiator in processes of their own; every byte checked."""
+    ctx = mp.get_context("spawn")
+    t_conn, t_child = ctx.Pipe()
+    i_conn, i_child = ctx.Pipe()
+    args = (plan, variant, switch_s, work_us, i_child)
+    procs = [
+        ctx.Process(target=serve_target, args=(plan, "raw", t_child), daemon=True),
+        ctx.Process(target=_initiator, args=args, daemon=True),
+    ]
+    for p in procs:
+        p.start()
+    try:
+        i_conn.send(recv_bounded(t_conn, "target"))
+        status, wall, ok = recv_bounded(i_conn, "initiator")
+        if status != "ok":
+            raise RuntimeError(f"bookkeeping bench ({variant}): {wall}")
+        t_conn.send("done")
+        if not (ok and recv_bounded(t_conn, "target")):
+            raise RuntimeError(f"bookkeeping bench ({variant}): bytes differ")
+        return float(plan.bytes_per_request * len(plan.src) / wall / 1e9)
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+
+
+def measure(plan: BenchPlan, work_us: float, rounds: int) -> list[dict[str, Any]]:
+    """Each variant's GB/s over interleaved rounds: the median, the runs, the ratio to plain."""
+    runs: dict[tuple[str, float], list[float]] = {v: [] for v in _VARIANTS}
+    for _ in range(rounds):
+        for variant, switch_s in _VARIANTS:
+            runs[variant, switch_s].append(run_once(plan, variant, switch_s, work_us))
+    plain = statistics.median(runs[_VARIANTS[0]])
+    return [
+        {
+            "variant": name if name != "thread" else f"thread, switch {switch_s * 1e6:.0f} us",
+            "gbps": statistics.median(gbps),
+            "gbps_runs": gbps,
+            "ratio_to_plain": statistics.median(gbps) / plain,
+        }
+        for (name, switch_s), gbps in runs.items()
+    ]
+
+
+def main() -> None:
+    """Parse the arguments, measure, print a table (or `--json`)."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--op", choices=["READ", "WRITE"], default="READ")
+    parser.add_argument("--regions", type=int, default=4)
+    parser.add_argument("--blocks-per-request", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--work-us", type=float, default=120.0)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    blocks = args.requests * args.blocks_per_request
+    src, dst = plan_requests(
+        requests=args.requests, blocks=args.blocks_per_request, num_blocks=blocks,
+        allocation="contiguous", seed=0,
+    )  # fmt: skip
+    plan = BenchPlan(
+        block_bytes=16 << 10, num_blocks=blocks, regions=args.regions, op=args.op,
+        src=src, dst=dst,
+    )  # fmt: skip
+    rows = measure(plan, args.work_us, args.rounds)
+    if args.json:
+        print(json.dumps({"mib_per_request": plan.bytes_per_request / (1 << 20), "rows": rows}))
+        return
+    print(f"{args.op}, {plan.bytes_per_request / (1 << 20):g} MiB requests, "
+          f"{args.work_us:g} us of Python per request, median of {args.rounds} rounds")  # fmt: skip
+    print(f"{'variant':<26} {'GB/s':>6} {'/plain':>7}")
+    for r in rows:
+        print(f"{r['variant']:<26} {r['gbps']:>6.2f} {r['ratio_to_plain']:>7.2f}")
+
+
+if __name__ == "__main__":
+    main()
