@@ -27,28 +27,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
 import threading
 import time
 from collections import deque
-from multiprocessing.connection import Connection
 from typing import Any
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # inherited by the spawned processes
 
-from kvfsm._bench_raw import (
-    BenchPlan,
-    _ids,
-    _rows,
-    buffer_of,
-    check_sink,
-    plan_requests,
-    recv_bounded,
-    serve_target,
-)
+from kvfsm._bench_raw import BenchPlan, _ids, _rows, buffer_of, check_sink, plan_requests, run_pair
 
 _VARIANTS: tuple[tuple[str, float], ...] = (
     ("plain", 0.005),
@@ -218,61 +207,38 @@ def _threaded(poster: _Poster, n: int, units: int, timed: _Timed) -> None:
 
 
 def _initiator(
-    plan: BenchPlan, variant: str, switch_s: float, units: int, conn: Connection
-) -> None:
-    try:
-        sys.setswitchinterval(switch_s)
-        poster = _Poster(plan, conn.recv())
-        poster.post(0)  # warm-up: UCX wires its lanes up on the first transfers
-        while not poster.finished():
-            pass
-        poster.posts.spans.clear()
-        n, timed = len(plan.src), _Timed()
-        t0 = time.perf_counter()
-        if variant == "thread":
-            _threaded(poster, n, units, timed)
-        else:
-            _inline(poster, n, units if variant == "inline" else 0, timed)
-        wall = time.perf_counter() - t0
-        figures = {
-            "wall_s": wall,
-            "post_us": 1e6 * poster.posts.total() / n,
-            "work_us": 1e6 * timed.total() / n,
-            "overlap_us": 1e6 * poster.posts.overlap(timed) / n,
-        }
-        conn.send(("ok", figures, poster.close()))
-    except Exception as exc:  # report: the driver fails the run saying why
-        conn.send(("error", repr(exc), False))
+    plan: BenchPlan, variant: str, switch_s: float, units: int, remote: tuple[bytes, int]
+) -> dict[str, Any]:
+    sys.setswitchinterval(switch_s)
+    poster = _Poster(plan, remote)
+    poster.post(0)  # warm-up: UCX wires its lanes up on the first transfers
+    while not poster.finished():
+        pass
+    poster.posts.spans.clear()
+    n, timed = len(plan.src), _Timed()
+    t0 = time.perf_counter()
+    if variant == "thread":
+        _threaded(poster, n, units, timed)
+    else:
+        _inline(poster, n, units if variant == "inline" else 0, timed)
+    wall = time.perf_counter() - t0
+    return {
+        "gbps": plan.bytes_per_request * n / wall / 1e9,
+        "post_us": 1e6 * poster.posts.total() / n,
+        "work_us": 1e6 * timed.total() / n,
+        "overlap_us": 1e6 * poster.posts.overlap(timed) / n,
+        "verified": poster.close(),
+    }
 
 
 def run_once(plan: BenchPlan, variant: str, switch_s: float, units: int) -> dict[str, float]:
     """One variant's GB/s and its µs per request inside the posts, in the work and in both at
     once; target and initiator in processes of their own, every byte checked."""
-    ctx = mp.get_context("spawn")
-    t_conn, t_child = ctx.Pipe()
-    i_conn, i_child = ctx.Pipe()
-    args = (plan, variant, switch_s, units, i_child)
-    procs = [
-        ctx.Process(target=serve_target, args=(plan, "raw", t_child), daemon=True),
-        ctx.Process(target=_initiator, args=args, daemon=True),
-    ]
-    for p in procs:
-        p.start()
-    try:
-        i_conn.send(recv_bounded(t_conn, "target"))
-        status, figures, ok = recv_bounded(i_conn, "initiator")
-        if status != "ok":
-            raise RuntimeError(f"bookkeeping bench ({variant}): {figures}")
-        t_conn.send("done")
-        if not (ok and recv_bounded(t_conn, "target")):
-            raise RuntimeError(f"bookkeeping bench ({variant}): bytes differ")
-        gbps = plan.bytes_per_request * len(plan.src) / figures.pop("wall_s") / 1e9
-        return {"gbps": gbps, **figures}
-    finally:
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
+    args = (plan, variant, switch_s, units)
+    figures = run_pair(plan, "raw", _initiator, args, f"bookkeeping, {variant}")
+    if not figures.pop("verified"):
+        raise RuntimeError(f"bookkeeping bench ({variant}): bytes differ")
+    return figures
 
 
 def measure(plan: BenchPlan, work_us: float, rounds: int) -> list[dict[str, Any]]:

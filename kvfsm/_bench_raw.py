@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any, Literal
 
@@ -33,6 +34,7 @@ __all__ = [
     "memcpy_gbps",
     "plan_requests",
     "recv_bounded",
+    "run_pair",
     "run_variant",
     "serve_target",
 ]
@@ -251,10 +253,12 @@ def _post_all(
     return latencies, moved, cpu0, t0
 
 
-def _initiator_main(plan: BenchPlan, variant: Variant, conn: Connection) -> None:
+def _initiator_main(
+    initiate: Callable[..., dict[str, Any]], args: tuple[Any, ...], conn: Connection
+) -> None:
     try:
         remote = conn.recv()
-        conn.send(("ok", _initiator(plan, variant, remote)))
+        conn.send(("ok", initiate(*args, remote)))
     except Exception as exc:  # report, the driver fails the run saying why
         conn.send(("error", repr(exc)))
 
@@ -262,12 +266,25 @@ def _initiator_main(plan: BenchPlan, variant: Variant, conn: Connection) -> None
 def run_variant(plan: BenchPlan, variant: Variant) -> dict[str, Any]:
     """One variant, target and initiator in processes of their own; figures and whether every
     byte arrived."""
+    return run_pair(plan, variant, _initiator, (plan, variant), variant)
+
+
+def run_pair(
+    plan: BenchPlan,
+    target: Variant,
+    initiate: Callable[..., dict[str, Any]],
+    args: tuple[Any, ...],
+    name: str,
+) -> dict[str, Any]:
+    """`serve_target` with `target`'s settings and `initiate(*args, remote)` in processes of
+    their own (`remote`: the target's agent metadata and buffer address); the initiator's
+    figures, their `verified` true only if both ends found every byte in place."""
     ctx = mp.get_context("spawn")
     t_conn, t_child = ctx.Pipe()
     i_conn, i_child = ctx.Pipe()
     procs = [
-        ctx.Process(target=serve_target, args=(plan, variant, t_child), daemon=True),
-        ctx.Process(target=_initiator_main, args=(plan, variant, i_child), daemon=True),
+        ctx.Process(target=serve_target, args=(plan, target, t_child), daemon=True),
+        ctx.Process(target=_initiator_main, args=(initiate, args, i_child), daemon=True),
     ]
     for p in procs:
         p.start()
@@ -275,7 +292,7 @@ def run_variant(plan: BenchPlan, variant: Variant) -> dict[str, Any]:
         i_conn.send(recv_bounded(t_conn, "target"))
         status, result = recv_bounded(i_conn, "initiator")
         if status != "ok":
-            raise RuntimeError(f"bench initiator ({variant}): {result}")
+            raise RuntimeError(f"bench initiator ({name}): {result}")
         t_conn.send("done")
         result["verified"] = bool(result["verified"] and recv_bounded(t_conn, "target"))
         return dict(result)
