@@ -10,6 +10,7 @@ import msgspec
 import numpy as np
 
 from kvfsm.core._config import CoreConfig, Identity, Mode, agent_name, paired_ranks
+from kvfsm.core._deadlines import earliest
 from kvfsm.core._io import (
     Admit,
     PostTransfer,
@@ -108,9 +109,7 @@ class Consumer(Side):
         """When the next deadline or heartbeat falls (O(1): with requests live, the next
         heartbeat time counts even if none of them is in a state that sends one)."""
         at = super().next_wakeup()
-        if self.requests:
-            return self._next_heartbeat if at is None else min(at, self._next_heartbeat)
-        return at
+        return earliest(at, self._next_heartbeat) if self.requests else at
 
     def _on_d_tick(self, event: Tick) -> None:
         self._on_tick(event)

@@ -19,7 +19,7 @@ import math
 import operator
 from collections import OrderedDict
 
-__all__ = ["Deadlines"]
+__all__ = ["Deadlines", "earliest"]
 
 _AT = operator.itemgetter(0)
 
@@ -108,12 +108,26 @@ class Deadlines:
         if taken:
             found.extend(heap[:taken])
             del heap[:taken]
+        if not found:  # the usual sweep: an event loop ticks after every poll
+            return []
         found.sort(key=_AT)  # stable, over sorted runs: a merge, linear in the number found
         return [(key, event) for _, key, event in found]
 
     def next_at(self) -> float | None:
         """When the earliest deadline falls, if any (for an event loop's timeout)."""
-        heads = [next(iter(run.entries.values())) for run in self._runs.values() if run.entries]
-        if self._heap:
-            heads.append(self._heap[0][0])
-        return min(heads, default=None)
+        at = self._heap[0][0] if self._heap else None
+        for run in self._runs.values():  # a run is deleted when it empties: each has a head
+            head = next(iter(run.entries.values()))
+            if at is None or head < at:
+                at = head
+        return at
+
+
+def earliest(*times: float | None) -> float | None:
+    """The earliest of the `times` that are set; None if none is. (An event loop asks for its
+    next wakeup after every poll: this runs without building a list or a generator.)"""
+    at = None
+    for t in times:
+        if t is not None and (at is None or t < at):
+            at = t
+    return at

@@ -8,6 +8,7 @@ from typing import ClassVar
 import msgspec
 
 from kvfsm.core._config import CoreConfig, Identity, Mode, paired_ranks
+from kvfsm.core._deadlines import earliest
 from kvfsm.core._dispatch import Tombstones
 from kvfsm.core._io import Admit, PostTransfer, PrefillFinished, Tick
 from kvfsm.core._matching import PendingRegistrations
@@ -97,8 +98,7 @@ class Producer(Side):
 
     def next_wakeup(self) -> float | None:
         """When the next deadline, peer sweep or unmatched-registration expiry falls."""
-        times = [t for t in (super().next_wakeup(), self._pending.next_expiry()) if t is not None]
-        return min(times, default=None)
+        return earliest(super().next_wakeup(), self._pending.next_expiry())
 
     def _on_p_tick(self, event: Tick) -> None:
         for key in self._pending.expire(self._now):

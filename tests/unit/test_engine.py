@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvfsm.core import Admit, Consumer, Finished, Identity, Mode, PrefillFinished, Producer
-from kvfsm.fabric import SimNetwork
+from kvfsm.fabric import FabricError, SimNetwork
 from kvfsm.layout import KvGeometry
 from kvfsm.runtime import Engine, KvCache, LocalDirectory, RequestTrace, plan_route
 from kvfsm.testing import SIM_GEOMETRY, SIM_MLA_GEOMETRY, SimCluster
@@ -201,3 +201,42 @@ def test_coalescing_posts_one_row_per_run_adjacent_on_both_sides(mode: Mode) -> 
         d_view = d_region.reshape(SIM_GEOMETRY.num_blocks, -1)
         np.testing.assert_array_equal(d_view[d_blocks], p_view[p_blocks])
         assert (d_view[d_blocks] != 0).all()  # the filled bytes, not two zeroed caches
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fabric_errors_in_telemetry_and_release_are_counted_not_raised(
+    mode: Mode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    net, p, d = _engines(mode, SIM_GEOMETRY, SIM_GEOMETRY)
+    poster = p if mode == "push" else d
+
+    def broken(_handle: object) -> None:
+        raise FabricError("the agent refused")
+
+    monkeypatch.setattr(poster.fabric, "xfer_telemetry", broken)
+    monkeypatch.setattr(poster.fabric, "release_xfer_handle", broken)
+    blocks = np.array([4, 5], dtype=np.int32)
+    p.submit(Admit("r-0000000a", blocks))
+    p.submit(PrefillFinished("r-0000000a", blocks))
+    d.submit(Admit("r-0000000b", np.array([7, 8], dtype=np.int32), "P", 1, "r-0000000a"))
+    outputs: list[object] = []
+    _run(net, (p, d), outputs, until=2)
+    assert {o.state for o in outputs if isinstance(o, Finished)} == {"done"}
+    assert poster.counters["telemetry_error"] == 1 and poster.counters["release_error"] == 1
+    assert not poster.inflight  # the transfer ended despite the errors
+
+
+def test_a_non_fabric_error_in_cleanup_is_not_swallowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    net, p, d = _engines("push", SIM_GEOMETRY, SIM_GEOMETRY)
+
+    def bug(_handle: object) -> None:
+        raise KeyError("a bug, not the fabric")
+
+    monkeypatch.setattr(p.fabric, "release_xfer_handle", bug)
+    blocks = np.array([4], dtype=np.int32)
+    p.submit(Admit("r-0000000a", blocks))
+    p.submit(PrefillFinished("r-0000000a", blocks))
+    d.submit(Admit("r-0000000b", np.array([7], dtype=np.int32), "P", 1, "r-0000000a"))
+    with pytest.raises(KeyError, match="a bug"):
+        _run(net, (p, d), [], until=2)
+    assert p.counters["release_error"] == 0

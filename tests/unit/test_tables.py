@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transitions import MachineError
 
+from kvfsm.core._deadlines import earliest
 from kvfsm.core._dispatch import Deadlines, Dispatcher, Step, Tombstones
 from kvfsm.lifecycle import (
     MODEL_NAMES,
@@ -305,6 +306,11 @@ def test_deadlines_match_reference(ops: list[tuple[str, str, int]]) -> None:
             for k, _ in got:
                 del ref[k]
         assert len(d) == len(ref)
+
+
+@given(st.lists(st.none() | st.floats(allow_nan=False), max_size=5))
+def test_earliest_is_the_min_of_the_times_set(times: list[float | None]) -> None:
+    assert earliest(*times) == min((t for t in times if t is not None), default=None)
 
 
 def test_tombstones_evict_oldest_first() -> None:
