@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -22,7 +23,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvfsm._bench_raw import BenchPlan, buffer_of, check_sink, recv_bounded
+from kvfsm.core import ReportFailed, ReportReceived
 from kvfsm.layout import KvGeometry
+from kvfsm.runtime import RequestTrace
 
 __all__ = ["bench_geometry", "run_engine_variant"]
 
@@ -65,7 +68,7 @@ def _rank(side: str, plan: BenchPlan, coalesce: bool, conn: Connection) -> None:
         ucx_error_handling=plan.error_handling("engine"),
     )  # fmt: skip
     outputs = _Outputs()
-    loop = EngineLoop(rank.engine, outputs.queue.put)
+    loop = EngineLoop(rank.engine, outputs.put)
     rank.directory.on_result = loop.wake
     loop.start()
     try:
@@ -83,29 +86,40 @@ def _rank(side: str, plan: BenchPlan, coalesce: bool, conn: Connection) -> None:
 
 
 class _Outputs:
-    """The engine's outputs as they arrive: how many requests finished, and their traces."""
+    """The engine's outputs, taken on its loop's thread the way a serving engine's connector
+    takes them: counted under a lock, no thread woken. Only the reports the driver waits for go
+    to its queue (one wake-up per request, not one per output)."""
 
     def __init__(self) -> None:
         self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.finished = self.posted = self.moved = 0
+        self.traced = self.posted = self.moved = 0  # guarded by _ended
+        self._ended = threading.Condition()
+
+    def put(self, out: Any) -> None:
+        """Take one output (on the loop's thread)."""
+        if isinstance(out, ReportReceived | ReportFailed):
+            self.queue.put(out)
+            return
+        if isinstance(out, RequestTrace):  # it follows its request's `Finished`
+            with self._ended:
+                self.traced += 1
+                if not out.request_id.startswith("warmup"):
+                    # Rows the engine posted, and rows NIXL moved after its own merging.
+                    self.posted += out.stats.descriptors
+                    self.moved += out.stats.fabric_descriptors
+                self._ended.notify_all()
 
     def get(self, deadline: float) -> Any:
-        from kvfsm.core import Finished
-        from kvfsm.runtime import RequestTrace
-
-        out = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
-        if isinstance(out, Finished):
-            self.finished += 1
-        elif isinstance(out, RequestTrace) and not out.request_id.startswith("warmup"):
-            # Rows the engine posted, and rows NIXL moved after its own merging.
-            self.posted += out.stats.descriptors
-            self.moved += out.stats.fabric_descriptors
-        return out
+        """The next report (D), waiting until `deadline` at most."""
+        return self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
 
     def until_finished(self, n: int, deadline: float) -> dict[str, int]:
-        """Wait for the n-th request to end (its trace follows its `Finished`)."""
-        while self.finished < n or not self.queue.empty():
-            self.get(deadline)
+        """Wait for the n-th request to end and its trace to arrive."""
+        with self._ended:
+            if not self._ended.wait_for(
+                lambda: self.traced >= n, max(0.0, deadline - time.monotonic())
+            ):
+                raise TimeoutError(f"{self.traced} of {n} requests ended")
         return {"descriptors": self.posted, "fabric_descriptors": self.moved}
 
 
