@@ -37,7 +37,7 @@ from typing import Any
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # inherited by the spawned processes
 
-from kvfsm._bench_raw import BenchPlan, _ids, _rows, buffer_of, check_sink, plan_requests, run_pair
+from kvfsm._bench_raw import BenchPlan, RawInitiator, plan_requests, run_pair
 
 _VARIANTS: tuple[tuple[str, float], ...] = (
     ("plain", 0.005),
@@ -93,28 +93,17 @@ class _Timed:
         return shared
 
 
-class _Poster:
-    """The thread that owns NIXL in this measurement: posts prepared transfers, checks them."""
+class _Poster(RawInitiator):
+    """The thread that owns NIXL in this measurement (a2's settings): posts transfers, checks
+    them, and times each post (inside NIXL's transfer: where UCX copies)."""
 
     def __init__(self, plan: BenchPlan, remote: tuple[bytes, int]) -> None:
-        from kvfsm.fabric import NixlFabric
-
-        self.plan = plan
-        self.fabric = NixlFabric("bench-bookkeeping", progress_thread=False, telemetry=True)
-        self.buf = buffer_of(plan, plan.op == "WRITE")
-        self.mem = self.fabric.register_memory(self.buf)
-        self.peer = self.fabric.add_remote_agent(remote[0])
-        self.local = self.fabric.prep_xfer_dlist(None, _rows(plan, int(self.buf.ctypes.data)))
-        self.far = self.fabric.prep_xfer_dlist(self.peer, _rows(plan, remote[1]))
+        super().__init__(plan, "raw", remote)
         self.pending: dict[int, int] = {}
-        self.posts = _Timed()  # inside NIXL's transfer: where UCX copies
+        self.posts = _Timed()
 
     def post(self, i: int) -> None:
-        mine, theirs = (self.plan.src, self.plan.dst)
-        if self.plan.op == "READ":
-            mine, theirs = theirs, mine
-        rows = (_ids(self.plan, mine[i]), _ids(self.plan, theirs[i]))
-        h = self.fabric.make_prepped_xfer(self.plan.op, self.local, rows[0], self.far, rows[1], b"")
+        h = self.xfer(i)
         t0 = time.perf_counter()
         self.fabric.transfer(h)
         self.posts.spans.append((t0, time.perf_counter()))
@@ -132,15 +121,6 @@ class _Poster:
                 del self.pending[h]
                 done.append(i)
         return done
-
-    def close(self) -> bool:
-        ok = True if self.plan.op == "WRITE" else check_sink(self.plan, self.buf)
-        for dlist in (self.local, self.far):
-            self.fabric.release_dlist_handle(dlist)
-        self.fabric.remove_remote_agent(self.peer)
-        self.fabric.deregister_memory(self.mem)
-        self.fabric.close()
-        return ok
 
 
 def _inline(poster: _Poster, n: int, units: int, timed: _Timed) -> None:

@@ -23,10 +23,11 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvfsm.fabric import UcxErrorHandling
+from kvfsm.fabric import UcxErrorHandling, XferHandle
 
 __all__ = [
     "BenchPlan",
+    "RawInitiator",
     "Variant",
     "buffer_of",
     "check_sink",
@@ -181,57 +182,72 @@ def serve_target(plan: BenchPlan, variant: Variant, conn: Connection) -> None:
     fabric.close()
 
 
-def _initiator(plan: BenchPlan, variant: Variant, remote: tuple[bytes, int]) -> dict[str, Any]:
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    from kvfsm.fabric import NixlFabric
+class RawInitiator:
+    """The initiator of a raw variant, ready to post: its agent with `variant`'s settings, its
+    buffer registered, the target loaded, both descriptor lists prepared."""
 
-    thread, telemetry, merge = _SETTINGS[variant]
-    fabric = NixlFabric(
-        "bench-initiator", progress_thread=thread, telemetry=telemetry,
-        ucx_error_handling=plan.error_handling(variant),
-    )  # fmt: skip
-    source = plan.op == "WRITE"
-    buf = buffer_of(plan, source)
-    mem = fabric.register_memory(buf)
-    peer = fabric.add_remote_agent(remote[0])
-    local = fabric.prep_xfer_dlist(None, _rows(plan, int(buf.ctypes.data)))
-    far = fabric.prep_xfer_dlist(peer, _rows(plan, remote[1]))
-    mine, theirs = (plan.src, plan.dst) if source else (plan.dst, plan.src)
+    def __init__(self, plan: BenchPlan, variant: Variant, remote: tuple[bytes, int]) -> None:
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+        from kvfsm.fabric import NixlFabric
+
+        thread, telemetry, self.merge = _SETTINGS[variant]
+        self.plan, self.telemetry = plan, telemetry
+        self.fabric = NixlFabric(
+            "bench-initiator", progress_thread=thread, telemetry=telemetry,
+            ucx_error_handling=plan.error_handling(variant),
+        )  # fmt: skip
+        self.source = plan.op == "WRITE"
+        self.buf = buffer_of(plan, self.source)
+        self.mem = self.fabric.register_memory(self.buf)
+        self.peer = self.fabric.add_remote_agent(remote[0])
+        self.local = self.fabric.prep_xfer_dlist(None, _rows(plan, int(self.buf.ctypes.data)))
+        self.far = self.fabric.prep_xfer_dlist(self.peer, _rows(plan, remote[1]))
+        self._mine, self._theirs = (plan.src, plan.dst) if self.source else (plan.dst, plan.src)
+
+    def xfer(self, i: int) -> XferHandle:
+        """A transfer handle for request i's blocks (prepared rows), ready to post."""
+        plan = self.plan
+        return self.fabric.make_prepped_xfer(
+            plan.op, self.local, _ids(plan, self._mine[i]), self.far, _ids(plan, self._theirs[i]),
+            b"", merge=self.merge,
+        )  # fmt: skip
+
+    def close(self) -> bool:
+        """Whether every byte is in place here (True on the source side); then release all."""
+        ok = True if self.source else check_sink(self.plan, self.buf)
+        for dlist in (self.local, self.far):
+            self.fabric.release_dlist_handle(dlist)
+        self.fabric.remove_remote_agent(self.peer)
+        self.fabric.deregister_memory(self.mem)
+        self.fabric.close()
+        return ok
+
+
+def _initiator(plan: BenchPlan, variant: Variant, remote: tuple[bytes, int]) -> dict[str, Any]:
+    me = RawInitiator(plan, variant, remote)
     # A warm-up transfer first (request 0's blocks, the same bytes): UCX wires its lanes up on
     # the first transfers (milliseconds), outside the timed run, as the engine's rows do.
-    _post_all(fabric, plan, local, far, mine[:1], theirs[:1], merge)
-    latencies, moved, cpu0, t0 = _post_all(fabric, plan, local, far, mine, theirs, merge)
+    _post_all(me, 1)
+    latencies, moved, cpu0, t0 = _post_all(me, len(plan.src))
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    ok = True if source else check_sink(plan, buf)
-    for dlist in (local, far):
-        fabric.release_dlist_handle(dlist)
-    fabric.remove_remote_agent(peer)
-    fabric.deregister_memory(mem)
-    fabric.close()
+    ok = me.close()
     posted = len(plan.src) * len(plan.src[0]) * plan.regions
     return {
         "wall_s": wall, "cpu_s": cpu, "latency_s": latencies, "verified": ok,
-        "descriptors": posted, "fabric_descriptors": moved if telemetry else None,
+        "descriptors": posted, "fabric_descriptors": moved if me.telemetry else None,
     }  # fmt: skip
 
 
-def _post_all(
-    fabric: Any,
-    plan: BenchPlan,
-    local: int,
-    far: int,
-    mine: list[list[int]],
-    theirs: list[list[int]],
-    merge: bool,
-) -> tuple[list[float], int, float, float]:
-    """Post every request, at most `plan.inflight` at once; each request's post-to-DONE time and
-    the rows NIXL moved (after its merging, per its telemetry)."""
+def _post_all(me: RawInitiator, n: int) -> tuple[list[float], int, float, float]:
+    """Post the first n requests, at most `plan.inflight` at once; each request's post-to-DONE
+    time and the rows NIXL moved (after its merging, per its telemetry)."""
+    fabric, plan = me.fabric, me.plan
     pending: dict[int, float] = {}
     latencies: list[float] = []
     moved = 0
     cpu0, t0, deadline = time.process_time(), time.perf_counter(), time.monotonic() + _BOUND_S
-    for i in range(len(mine) + plan.inflight):
-        while pending and (len(pending) >= plan.inflight or i >= len(mine)):
+    for i in range(n + plan.inflight):
+        while pending and (len(pending) >= plan.inflight or i >= n):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{len(pending)} transfers still in flight after {_BOUND_S}s")
             for h, start in list(pending.items()):
@@ -244,10 +260,8 @@ def _post_all(
                     moved += telemetry.descriptors if telemetry else 0
                     fabric.release_xfer_handle(h)
                     del pending[h]
-        if i < len(mine):
-            h = fabric.make_prepped_xfer(
-                plan.op, local, _ids(plan, mine[i]), far, _ids(plan, theirs[i]), b"", merge=merge
-            )
+        if i < n:
+            h = me.xfer(i)
             pending[h] = time.perf_counter()
             fabric.transfer(h)
     return latencies, moved, cpu0, t0
