@@ -18,25 +18,39 @@ from typing import Any, NamedTuple, Protocol
 from kvfsm.core._deadlines import Deadlines
 from kvfsm.lifecycle import Lifecycle, protocol_error
 
-__all__ = ["Deadlines", "Dispatcher", "History", "Instance", "RunQueue", "Step", "Tombstones"]
+__all__ = [
+    "Deadlines", "Dispatcher", "FlatHistory", "History", "Instance", "RunQueue", "Step",
+    "Tombstones", "unflatten",
+]  # fmt: skip
 
 
 History = tuple[tuple[str, str, float], ...]
 """A history: (event, state entered, time) per transition taken."""
 
+FlatHistory = tuple[str | float, ...]
+"""A history as one flat tuple (event, state entered, time, event, ...), as live requests keep
+it: a tuple per transition held 64 bytes more (~280 a request, P and D together), and at 10,000
+requests in flight what each request holds is a cache miss away (docs/performance.md)."""
+
+
+def unflatten(flat: FlatHistory) -> History:
+    """`flat` as (event, state entered, time) per transition."""
+    step = iter(flat)
+    return tuple(zip(step, step, step, strict=True))  # type: ignore[arg-type]  # by position
+
 
 class Instance(Protocol):
     """Anything a lifecycle runs on: an id, a state and (optionally kept) history.
 
-    A list history is appended to; a tuple one is replaced by a longer tuple. The core keeps its
-    requests' histories as tuples: the cycle collector stops tracking a tuple of strings and floats
-    within a pass or two, a list never, and with 10,000 requests in flight their list histories
-    were most of what each full collection traversed.
+    A list history is appended to; a tuple one (a `FlatHistory`) is replaced by a longer tuple.
+    The core keeps its requests' histories as tuples: the cycle collector stops tracking a tuple
+    of strings and floats within a pass or two, a list never, and with 10,000 requests in flight
+    their list histories were most of what each full collection traversed.
     """
 
     id: str
     state: str
-    history: list[tuple[str, str, float]] | History | None
+    history: list[tuple[str, str, float]] | FlatHistory | None
 
 
 class Step(NamedTuple):
@@ -124,7 +138,7 @@ class Dispatcher:
         inst.state = dest
         history = inst.history
         if history.__class__ is tuple:  # see `Instance.history`
-            inst.history = history + ((event, dest, now),)  # noqa: RUF005 (faster than *)
+            inst.history = history + (event, dest, now)  # noqa: RUF005 (faster than *)
         elif history is not None:
             history.append((event, dest, now))
         if self.recorder is not None:

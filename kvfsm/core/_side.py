@@ -15,7 +15,15 @@ import numpy as np
 
 from kvfsm.core._config import CoreConfig, Identity, Mode
 from kvfsm.core._deadlines import Deadlines, earliest
-from kvfsm.core._dispatch import Dispatcher, History, Recorder, RunQueue, Tombstones
+from kvfsm.core._dispatch import (
+    Dispatcher,
+    FlatHistory,
+    History,
+    Recorder,
+    RunQueue,
+    Tombstones,
+    unflatten,
+)  # fmt: skip
 from kvfsm.core._io import (
     Abort,
     CancelTransfer,
@@ -68,7 +76,7 @@ class Request(msgspec.Struct, gc=False):
     state: str
     blocks: BlockIds
     tally: TransferTally
-    history: History | None = None  # a tuple, for the collector's sake (see `Instance`)
+    history: FlatHistory | None = None  # a tuple, for the collector's sake (see `Instance`)
     abort_requested: bool = False
     peers: tuple[str, ...] = ()
     peer_request_id: str = ""
@@ -77,6 +85,10 @@ class Request(msgspec.Struct, gc=False):
     acks: frozenset[str] = frozenset()
     lost: frozenset[str] = frozenset()  # peers lost while the request used them
     consumer_released: bool = False
+
+    def transitions(self) -> History:
+        """Its history so far, (event, state entered, time) per transition (empty untraced)."""
+        return () if self.history is None else unflatten(self.history)
 
 
 class Peer(msgspec.Struct, gc=False):
@@ -343,7 +355,7 @@ class Side:
             state, name = self.requests[request_id].state, self._req.lifecycle.name
             raise LocalProtocolError(request_id, self.side, name, state, "admit")
         initial = self._req.lifecycle.initial
-        history = (("admit", initial, self._now),) if self.config.trace else None
+        history = ("admit", initial, self._now) if self.config.trace else None
         blocks = self._blocks(request_id, blocks)
         req = Request(request_id, initial, blocks, TransferTally(request_id, 1), history)
         self.requests[request_id] = req
@@ -365,7 +377,7 @@ class Side:
         self.tombstones.add(req.id, req.state)
         self._stop_waiting(req)
         self._forget(req)
-        self._emit(Finished(req.id, req.state, req.history or ()))
+        self._emit(Finished(req.id, req.state, req.transitions()))
 
     def _stop_waiting(self, req: Request) -> None:
         """The request no longer waits for its peers' connections (it ended, or forgot them)."""

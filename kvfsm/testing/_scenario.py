@@ -272,7 +272,7 @@ class _Run:
             elif agent in self.cluster.dead:
                 final[agent], history = "dead", ()
             elif live is not None:
-                final[agent], history = f"live: {live.state}", tuple(live.history or ())
+                final[agent], history = f"live: {live.state}", live.transitions()
             else:
                 final[agent], history = self.state(key, agent), ()
             t0 = self.start + self.cluster.clock_skew[agent[0]]  # one clock for every rank

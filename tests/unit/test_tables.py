@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from transitions import MachineError
 
 from kvfsm.core._deadlines import earliest
-from kvfsm.core._dispatch import Deadlines, Dispatcher, Step, Tombstones
+from kvfsm.core._dispatch import Deadlines, Dispatcher, Step, Tombstones, unflatten
 from kvfsm.lifecycle import (
     MODEL_NAMES,
     STAY,
@@ -173,6 +173,35 @@ def test_a_method_patched_on_the_class_reaches_owners_built_after_it() -> None:
     calls.clear()
     Dispatcher(lc, owner_class(), PREFIX, lc.model.machine.side).fire(fake(state), event, 0.0)
     assert calls[0] == "new"
+
+
+@given(st.data())
+def test_flat_tuple_history_records_what_a_list_does(data: st.DataObject) -> None:
+    """Live requests keep their history as one flat tuple; unflattened, it is the same
+    (event, state entered, time) record a list history gets, in the same order."""
+    lc = load(data.draw(st.sampled_from(MODEL_NAMES), label="lifecycle"))
+    h = Harness(lc)
+    listed = fake(data.draw(st.sampled_from(lc.states), label="start"))
+    flat = fake(listed.state, "req-2")
+    flat.history = ()
+    for i in range(data.draw(st.integers(0, 12), label="steps")):
+        accepted = sorted(e for e in lc.origins if h.dispatcher.accepts(listed.state, e))
+        if not accepted:
+            break
+        event = data.draw(st.sampled_from(accepted), label="event")
+        h.values = {g.name: data.draw(st.booleans(), label=g.name) for g in lc.model.guards}
+        for inst in (listed, flat):
+            h.dispatcher.fire(inst, event, float(i))
+        assert flat.state == listed.state
+    assert len(flat.history) == 3 * len(listed.history)
+    assert unflatten(flat.history) == tuple(listed.history)
+
+
+def test_unflatten_refuses_a_torn_history() -> None:
+    assert unflatten(()) == ()
+    assert unflatten(("admit", "allocated", 1.0)) == (("admit", "allocated", 1.0),)
+    with pytest.raises(ValueError):
+        unflatten(("admit", "allocated", 1.0, "register"))
 
 
 @given(st.data())
