@@ -259,7 +259,7 @@ class Consumer(Side):
     def _req_cmd_check_fence(self, req: Request) -> None:
         # A lost P rank's WRITE can neither complete nor land any more: its result is a failure
         # and it counts as having acknowledged the cancel.
-        for agent in req.lost - req.tally.results.keys():
+        for agent in req.lost.difference(req.tally.reported):
             self._tally_result(req, agent, False)
         if (req.acks | req.lost).issuperset(req.peers):
             self._runq.post(self._req, req, "cancel_acked")

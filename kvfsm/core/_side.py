@@ -64,7 +64,9 @@ class TransferTally(msgspec.Struct, gc=False):
     history: list[tuple[str, str, float]] | None = None
     ok: int = 0
     failed: int = 0
-    results: dict[str, bool] = msgspec.field(default_factory=dict)
+    # Whose result came (a transfer's peer agent), in order: a tuple, since a request has a few
+    # peers at most, where a dict per tally cost ~230 bytes once its first result came.
+    reported: tuple[str, ...] = ()
 
 
 # Requests, tallies and peers are untracked by the cycle collector (gc=False: they hold no
@@ -397,10 +399,10 @@ class Side:
     def _tally_result(self, req: Request, key: str, ok: bool) -> None:
         """Count one transfer result; a second result for the same key is a duplicate."""
         tally = req.tally
-        if key in tally.results:
+        if key in tally.reported:
             self._count_error("duplicate", f"result for {req.id!r} from {key}")
             return
-        tally.results[key] = ok
+        tally.reported += (key,)
         if ok:
             tally.ok += 1
         else:
@@ -438,7 +440,7 @@ class Side:
 
     def _req_cmd_cancel_transfers(self, req: Request) -> None:
         for link in req.links.values():
-            if link.transfer_id and link.agent not in req.tally.results:
+            if link.transfer_id and link.agent not in req.tally.reported:
                 self._transfers.pop(link.transfer_id, None)
                 self._emit(CancelTransfer(req.id, link.transfer_id))
 
