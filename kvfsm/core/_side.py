@@ -23,7 +23,7 @@ from kvfsm.core._dispatch import (
     RunQueue,
     Tombstones,
     unflatten,
-)  # fmt: skip
+)
 from kvfsm.core._io import (
     Abort,
     CancelTransfer,
@@ -64,9 +64,7 @@ class TransferTally(msgspec.Struct, gc=False):
     history: list[tuple[str, str, float]] | None = None
     ok: int = 0
     failed: int = 0
-    # Whose result came (a transfer's peer agent), in order: a tuple, since a request has a few
-    # peers at most, where a dict per tally cost ~230 bytes once its first result came.
-    reported: tuple[str, ...] = ()
+    reported: tuple[str, ...] = ()  # whose result came (few peers: a dict cost ~230 B more)
 
 
 # Requests, tallies and peers are untracked by the cycle collector (gc=False: they hold no

@@ -165,7 +165,8 @@ def _request_print(r: Any, n: Namer) -> tuple[Any, ...]:
     ]  # fmt: skip
     return (
         n.id(r.id), r.state, r.abort_requested, len(r.blocks), tally.state, tally.expected,
-        tally.ok, tally.failed, sorted(tally.reported), links, sorted(r.acks), sorted(r.lost), r.consumer_released,
+        tally.ok, tally.failed, sorted(tally.reported), links, sorted(r.acks), sorted(r.lost),
+        r.consumer_released,
     )  # fmt: skip
 
 
