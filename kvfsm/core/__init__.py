@@ -30,7 +30,8 @@ from kvfsm.core._io import (
     TransferResult,
 )
 from kvfsm.core._producer import ConsumerLink, Producer
-from kvfsm.core._side import MAX_PEERS, Peer, Request, Side, TransferTally
+from kvfsm.core._records import Peer, Request, TransferTally
+from kvfsm.core._side import MAX_PEERS, Side
 
 __all__ = [
     "MAX_PEERS",

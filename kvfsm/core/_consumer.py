@@ -18,7 +18,8 @@ from kvfsm.core._io import (
     ReportReceived,
     Tick,
 )
-from kvfsm.core._side import Request, Side
+from kvfsm.core._records import Request
+from kvfsm.core._side import Side
 from kvfsm.wire import (
     BlockIds,
     Cancel,

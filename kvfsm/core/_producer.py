@@ -12,7 +12,8 @@ from kvfsm.core._deadlines import earliest
 from kvfsm.core._dispatch import Tombstones
 from kvfsm.core._io import Admit, PostTransfer, PrefillFinished, Tick
 from kvfsm.core._matching import PendingRegistrations
-from kvfsm.core._side import Request, Side, TransferTally
+from kvfsm.core._records import Request, TransferTally
+from kvfsm.core._side import Side
 from kvfsm.wire import (
     BlockIds,
     Cancel,

@@ -10,20 +10,11 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
-import msgspec
 import numpy as np
 
 from kvfsm.core._config import CoreConfig, Identity, Mode
 from kvfsm.core._deadlines import Deadlines, earliest
-from kvfsm.core._dispatch import (
-    Dispatcher,
-    FlatHistory,
-    History,
-    Recorder,
-    RunQueue,
-    Tombstones,
-    unflatten,
-)
+from kvfsm.core._dispatch import Dispatcher, Recorder, RunQueue, Tombstones
 from kvfsm.core._io import (
     Abort,
     CancelTransfer,
@@ -42,81 +33,18 @@ from kvfsm.core._io import (
     TransferResult,
 )
 from kvfsm.core._quarantine import Quarantine
+from kvfsm.core._records import Peer, Request, TransferTally
 from kvfsm.layout import id_bounds
 from kvfsm.lifecycle import LocalProtocolError, ProtocolError, RemoteProtocolError, load
 from kvfsm.wire import BlockIds, Message, WireError, decode, encode
 
-__all__ = ["MAX_PEERS", "Peer", "Request", "Side", "TransferTally"]
+__all__ = ["MAX_PEERS", "Side"]
 
 _MAX_ERRORS_KEPT = 64
 _MAX_OUTBOX = 256  # replies queued for one peer that is not connected yet
 MAX_PEERS = 4096
 """Peers a side remembers; past it, inert ones (never connected, failed or evicted; unused) go."""
 _INERT = frozenset(("unknown", "failed", "evicted"))
-
-
-class TransferTally(msgspec.Struct, gc=False):
-    """The results of one request's transfers, counted by the `transfer` lifecycle."""
-
-    id: str
-    expected: int
-    state: str = "open"
-    history: list[tuple[str, str, float]] | None = None
-    ok: int = 0
-    failed: int = 0
-    reported: tuple[str, ...] = ()  # whose result came (few peers: a dict cost ~230 B more)
-
-
-# Requests, tallies and peers are untracked by the cycle collector (gc=False: they hold no
-# reference cycles), which keeps collection pauses flat with 10,000 requests in flight.
-class Request(msgspec.Struct, gc=False):
-    """One request on one side: its lifecycle state, blocks, peers and transfer tally."""
-
-    id: str
-    state: str
-    blocks: BlockIds
-    tally: TransferTally
-    history: FlatHistory | None = None  # a tuple, for the collector's sake (see `Instance`)
-    abort_requested: bool = False
-    peers: tuple[str, ...] = ()
-    peer_request_id: str = ""
-    base_id: str = ""  # P: the id without its random suffix (matching and tombstones use it)
-    links: dict[str, Any] = msgspec.field(default_factory=dict)  # per peer agent: its part
-    acks: frozenset[str] = frozenset()
-    lost: frozenset[str] = frozenset()  # peers lost while the request used them
-    consumer_released: bool = False
-
-    def transitions(self) -> History:
-        """Its history so far, (event, state entered, time) per transition (empty untraced)."""
-        return () if self.history is None else unflatten(self.history)
-
-
-class Peer(msgspec.Struct, gc=False):
-    """One remote engine rank, the requests waiting for a connection to it, and the replies that
-    wait for it (to a peer P never connected to, e.g. a failure before the match)."""
-
-    id: str
-    state: str = "unknown"
-    history: list[tuple[str, str, float]] | None = None
-    waiters: dict[str, None] = msgspec.field(default_factory=dict)
-    outbox: list[bytes] = msgspec.field(default_factory=list)
-    contact: str = ""  # where its side channel listens, once learned
-    clock_offset: float = 0.0  # its clock minus ours, from the handshakes
-    clock_error: float = 0.0  # how far off that offset may be (half the handshake's transit)
-    clock_measured: bool = False  # whether a handshake measured them yet
-    idle_since: float = 0.0  # when a sweep last saw a live request use it
-
-    def measured(self, offset: float, error: float) -> None:
-        """Take one handshake's estimate of the peer's clock. Consistent with what earlier ones
-        said (the intervals meet), it narrows the estimate to what both allow, so one slow
-        handshake (answered after an outage) cannot widen it; inconsistent (the peer's clock is
-        another one now: a host restarted), it replaces it."""
-        lo = max(self.clock_offset - self.clock_error, offset - error)
-        hi = min(self.clock_offset + self.clock_error, offset + error)
-        if self.clock_measured and lo <= hi:
-            self.clock_offset, self.clock_error = (lo + hi) / 2, (hi - lo) / 2
-        else:
-            self.clock_offset, self.clock_error, self.clock_measured = offset, error, True
 
 
 class Side:

@@ -10,7 +10,7 @@ import pytest
 
 from kvfsm.cli import main
 from kvfsm.core import Consumer, ReportReceived, Side
-from kvfsm.core._side import Request
+from kvfsm.core._records import Request
 from kvfsm.testing import ScenarioError, load_scenario, run_scenario
 from kvfsm.testing._scenario_file import MAX_SCENARIO_BYTES
 
