@@ -28,8 +28,8 @@ History = tuple[tuple[str, str, float], ...]
 """A history: (event, state entered, time) per transition taken."""
 
 FlatHistory = tuple[str | float, ...]
-"""A history as one flat tuple (event, state entered, time, event, ...), as live requests keep
-it: a tuple per transition held 64 bytes more (~280 a request, P and D together), and at 10,000
+"""A history as one flat tuple (event, state entered, time, event, ...), as the core keeps it:
+a tuple per transition held 64 bytes more (~280 a request, P and D together), and at 10,000
 requests in flight what each request holds is a cache miss away (docs/performance.md)."""
 
 
@@ -42,15 +42,15 @@ def unflatten(flat: FlatHistory) -> History:
 class Instance(Protocol):
     """Anything a lifecycle runs on: an id, a state and (optionally kept) history.
 
-    A list history is appended to; a tuple one (a `FlatHistory`) is replaced by a longer tuple.
-    The core keeps its requests' histories as tuples: the cycle collector stops tracking a tuple
-    of strings and floats within a pass or two, a list never, and with 10,000 requests in flight
-    their list histories were most of what each full collection traversed.
+    A kept history is a `FlatHistory`, replaced by a longer tuple at each transition: the cycle
+    collector stops tracking a tuple of strings and floats within a pass or two, a list never, and
+    with 10,000 requests in flight list histories were most of what each full collection
+    traversed.
     """
 
     id: str
     state: str
-    history: list[tuple[str, str, float]] | FlatHistory | None
+    history: FlatHistory | None
 
 
 class Step(NamedTuple):
@@ -137,10 +137,8 @@ class Dispatcher:
         _, dest, actions, names, terminal = rule
         inst.state = dest
         history = inst.history
-        if history.__class__ is tuple:  # see `Instance.history`
+        if history is not None:
             inst.history = history + (event, dest, now)  # noqa: RUF005 (faster than *)
-        elif history is not None:
-            history.append((event, dest, now))
         if self.recorder is not None:
             self.recorder(Step(self.lifecycle.name, inst.id, source, event, seen, dest, names))
         for action in actions:

@@ -22,7 +22,7 @@ class TransferTally(msgspec.Struct, gc=False):
     id: str
     expected: int
     state: str = "open"
-    history: list[tuple[str, str, float]] | None = None
+    history: FlatHistory | None = None  # kept for requests only (`Side._new_request`)
     ok: int = 0
     failed: int = 0
     reported: tuple[str, ...] = ()  # whose result came (few peers: a dict cost ~230 B more)
@@ -35,7 +35,7 @@ class Request(msgspec.Struct, gc=False):
     state: str
     blocks: BlockIds
     tally: TransferTally
-    history: FlatHistory | None = None  # a tuple, for the collector's sake (see `Instance`)
+    history: FlatHistory | None = None  # when tracing is on (see `Instance`)
     abort_requested: bool = False
     peers: tuple[str, ...] = ()
     peer_request_id: str = ""
@@ -56,7 +56,7 @@ class Peer(msgspec.Struct, gc=False):
 
     id: str
     state: str = "unknown"
-    history: list[tuple[str, str, float]] | None = None
+    history: FlatHistory | None = None  # kept for requests only (`Side._new_request`)
     waiters: dict[str, None] = msgspec.field(default_factory=dict)
     outbox: list[bytes] = msgspec.field(default_factory=list)
     contact: str = ""  # where its side channel listens, once learned

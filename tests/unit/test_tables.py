@@ -87,7 +87,7 @@ PAIRS = [
 
 
 def fake(state: str, ident: str = "req-1") -> SimpleNamespace:
-    return SimpleNamespace(id=ident, state=state, history=[])
+    return SimpleNamespace(id=ident, state=state, history=())
 
 
 @pytest.mark.parametrize(("name", "state", "event"), PAIRS)
@@ -106,7 +106,7 @@ def test_every_state_event_pair(name: str, state: str, event: str) -> None:
             inst = fake(state)
             assert h.dispatcher.fire(inst, event, 1.5) == dest
             assert inst.state == dest
-            assert inst.history == [(event, dest, 1.5)]
+            assert unflatten(inst.history) == ((event, dest, 1.5),)
             assert h.calls == [("req-1", c) for c in commands]
             step = h.steps[-1]
             assert (step.source, step.event, step.dest, step.commands) == (
@@ -138,7 +138,7 @@ def test_every_state_event_pair(name: str, state: str, event: str) -> None:
     message = str(err)
     for part in ("'req-7f'", f" {lc.model.machine.side} ", f"'{state}'", f"'{event}'", fault):
         assert part in message
-    assert inst.state == state and inst.history == [] and h.calls == [] and h.steps == []
+    assert inst.state == state and inst.history == () and h.calls == [] and h.steps == []
 
 
 def test_dispatcher_requires_every_guard_and_command() -> None:
@@ -176,25 +176,30 @@ def test_a_method_patched_on_the_class_reaches_owners_built_after_it() -> None:
 
 
 @given(st.data())
-def test_flat_tuple_history_records_what_a_list_does(data: st.DataObject) -> None:
-    """Live requests keep their history as one flat tuple; unflattened, it is the same
-    (event, state entered, time) record a list history gets, in the same order."""
+def test_history_records_every_transition_taken_in_order(data: st.DataObject) -> None:
+    """A kept history is one flat tuple; unflattened, it is (event, state entered, time) for
+    each transition taken, in order."""
     lc = load(data.draw(st.sampled_from(MODEL_NAMES), label="lifecycle"))
     h = Harness(lc)
-    listed = fake(data.draw(st.sampled_from(lc.states), label="start"))
-    flat = fake(listed.state, "req-2")
-    flat.history = ()
+    inst = fake(data.draw(st.sampled_from(lc.states), label="start"))
+    taken: list[tuple[str, str, float]] = []
     for i in range(data.draw(st.integers(0, 12), label="steps")):
-        accepted = sorted(e for e in lc.origins if h.dispatcher.accepts(listed.state, e))
+        accepted = sorted(e for e in lc.origins if h.dispatcher.accepts(inst.state, e))
         if not accepted:
             break
         event = data.draw(st.sampled_from(accepted), label="event")
         h.values = {g.name: data.draw(st.booleans(), label=g.name) for g in lc.model.guards}
-        for inst in (listed, flat):
-            h.dispatcher.fire(inst, event, float(i))
-        assert flat.state == listed.state
-    assert len(flat.history) == 3 * len(listed.history)
-    assert unflatten(flat.history) == tuple(listed.history)
+        taken.append((event, h.dispatcher.fire(inst, event, float(i)), float(i)))
+    assert len(inst.history) == 3 * len(taken)
+    assert unflatten(inst.history) == tuple(taken)
+    untraced = fake(lc.initial)
+    untraced.history = None
+    h.values = dict.fromkeys((g.name for g in lc.model.guards), True)
+    for event in sorted(lc.origins):
+        if h.dispatcher.accepts(untraced.state, event):
+            h.dispatcher.fire(untraced, event, 0.0)
+            break
+    assert untraced.history is None
 
 
 def test_unflatten_refuses_a_torn_history() -> None:
@@ -226,7 +231,7 @@ def test_dispatcher_walk_agrees_with_machine(data: st.DataObject) -> None:
         dest, commands = lc.replay(source, event, values)
         assert h.dispatcher.fire(inst, event, float(i)) == dest
         assert inst.state == dest
-        assert inst.history[-1] == (event, dest, float(i))
+        assert unflatten(inst.history)[-1] == (event, dest, float(i))
         assert h.calls == [(inst.id, c) for c in commands]
         assert h.steps[-1].guards == {g: values[g] for g in h.steps[-1].guards}
         assert lc.replay(source, event, h.steps[-1].guards) == (dest, commands)
