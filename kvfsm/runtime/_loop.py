@@ -186,15 +186,16 @@ class EngineLoop:
             except Exception as exc:
                 self.errors.append(f"on_output: {exc!r}")
 
-    def _timeout(self, delay: float) -> float | None:
-        """How long to sleep: until the next deadline, or the next poll when one is needed."""
+    def _timeout(self, delay: float) -> float:
+        """How long to sleep: until the next poll (`delay`, or the idle drain's interval when
+        nothing is live) or the next deadline, whichever comes first. Once per loop turn, so
+        without building a list."""
         engine = self.engine
+        wait = delay if engine.busy else self._idle
         at = engine.next_wakeup()
-        waits = [] if at is None else [max(0.0, at - engine.clock())]
-        waits.append(delay if engine.busy else self._idle)
-        return min(waits, default=None)
+        return wait if at is None else min(wait, max(0.0, at - engine.clock()))
 
-    def _sleep(self, timeout: float | None) -> None:
+    def _sleep(self, timeout: float) -> None:
         with self._cond:
             if not self._called():
                 self._cond.wait(timeout)
