@@ -15,6 +15,7 @@ import numpy as np
 from kvfsm._bench_control import bench as control_bench
 from kvfsm._bench_engine import run_engine_variant
 from kvfsm._bench_raw import BenchPlan, gbps, memcpy_gbps, plan_requests, run_variant
+from kvfsm._host import require_memory
 from kvfsm.core import Mode
 from kvfsm.fabric import UcxErrorHandling
 
@@ -43,6 +44,13 @@ class BenchOptions:
         self.repeat = repeat
         if control_total < 0 or any(n < 1 for n in control_in_flight):
             raise ValueError("control-plane counts must be at least 1 (a total of 0 skips it)")
+        # At most three buffers live at once: one side's, and the sink's with the source
+        # regenerated beside it for the byte check.
+        buffer = block_kib * 1024 * num_blocks * regions
+        require_memory(
+            3 * buffer, f"three KV buffers of {buffer / 2**30:,.2f} GiB (source, sink, byte check)",
+            "fewer --blocks or --regions, or a smaller --block-kib",
+        )  # fmt: skip
         self.mode, self.allocation, self.seed = mode, allocation, seed
         self.control_in_flight = control_in_flight if control_total else ()
         self.control_total = control_total

@@ -16,7 +16,9 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import numpy as np
@@ -188,26 +190,30 @@ def run_engine_variant(plan: BenchPlan, *, coalesce: bool) -> dict[str, Any]:
     received), the posting side's CPU, descriptor counts and whether every byte arrived."""
     ctx = mp.get_context("spawn")
     pipes = {side: ctx.Pipe() for side in ("P", "D")}
+    variant = "coalesced" if coalesce else "engine"
     procs = [
-        ctx.Process(target=_rank, args=(side, plan, coalesce, child), daemon=True)
+        ctx.Process(
+            target=_rank, args=(side, plan, coalesce, child), daemon=True,
+            name=f"{variant} {side}",
+        )
         for side, (_, child) in pipes.items()
-    ]
+    ]  # fmt: skip
     for p in procs:
         p.start()
     p_conn, d_conn = pipes["P"][0], pipes["D"][0]
     try:
-        ready = {side: _expect(conn, side, "ready") for side, (conn, _) in pipes.items()}
+        ready = {side: _expect(conn, side, "ready", procs) for side, (conn, _) in pipes.items()}
         peers = {msg[1]: ("127.0.0.1", msg[2]) for msg in ready.values()}
         for conn, _ in pipes.values():
             conn.send(peers)
-        _expect(p_conn, "P", "admitted")
+        _expect(p_conn, "P", "admitted", procs)
         d_conn.send("warm")
-        _expect(d_conn, "D", "warm")
+        _expect(d_conn, "D", "warm", procs)
         p_conn.send("go")
         d_conn.send("go")
-        d = _expect(d_conn, "D", "ok")[1]
+        d = _expect(d_conn, "D", "ok", procs)[1]
         p_conn.send("stop")
-        p = _expect(p_conn, "P", "ok")[1]
+        p = _expect(p_conn, "P", "ok", procs[:1])[1]  # D has finished and may have exited
     finally:
         for proc in procs:
             proc.join(10)
@@ -221,8 +227,8 @@ def run_engine_variant(plan: BenchPlan, *, coalesce: bool) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _expect(conn: Connection, who: str, what: str) -> Any:
-    msg = recv_bounded(conn, who)
+def _expect(conn: Connection, who: str, what: str, procs: Sequence[BaseProcess]) -> Any:
+    msg = recv_bounded(conn, who, procs)
     if msg[0] != what:
         raise RuntimeError(f"bench engine {who}: {msg[1] if msg[0] == 'error' else msg!r}")
     return msg

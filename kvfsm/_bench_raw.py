@@ -15,8 +15,9 @@ import multiprocessing as mp
 import os
 import time
 from collections import deque
-from collections.abc import Callable
-from multiprocessing.connection import Connection
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
 from typing import Any, Literal
 
 import msgspec
@@ -50,6 +51,7 @@ _SETTINGS: dict[str, tuple[bool, bool, bool]] = {
 }
 _BOUND_S = 120.0
 _TARGET_POLL_S = 200e-6
+_REAP_S = 5.0  # a process whose sentinel fired has exited: reaping it takes no longer
 
 
 class BenchPlan(msgspec.Struct, frozen=True, kw_only=True):
@@ -297,18 +299,24 @@ def run_pair(
     t_conn, t_child = ctx.Pipe()
     i_conn, i_child = ctx.Pipe()
     procs = [
-        ctx.Process(target=serve_target, args=(plan, target, t_child), daemon=True),
-        ctx.Process(target=_initiator_main, args=(initiate, args, i_child), daemon=True),
-    ]
+        ctx.Process(
+            target=serve_target, args=(plan, target, t_child), daemon=True,
+            name=f"{name} target",
+        ),
+        ctx.Process(
+            target=_initiator_main, args=(initiate, args, i_child), daemon=True,
+            name=f"{name} initiator",
+        ),
+    ]  # fmt: skip
     for p in procs:
         p.start()
     try:
-        i_conn.send(recv_bounded(t_conn, "target"))
-        status, result = recv_bounded(i_conn, "initiator")
+        i_conn.send(recv_bounded(t_conn, "target", procs[:1]))
+        status, result = recv_bounded(i_conn, "initiator", procs)
         if status != "ok":
             raise RuntimeError(f"bench initiator ({name}): {result}")
         t_conn.send("done")
-        result["verified"] = bool(result["verified"] and recv_bounded(t_conn, "target"))
+        result["verified"] = bool(result["verified"] and recv_bounded(t_conn, "target", procs[:1]))
         return dict(result)
     finally:
         for p in procs:
@@ -317,10 +325,21 @@ def run_pair(
                 p.kill()
 
 
-def recv_bounded(conn: Connection, who: str) -> Any:
-    """The next message from a bench process, or TimeoutError after the bound."""
-    if not conn.poll(_BOUND_S):
-        raise TimeoutError(f"the bench {who} did not answer in {_BOUND_S}s")
+def recv_bounded(conn: Connection, who: str, procs: Sequence[BaseProcess]) -> Any:
+    """The next message from the bench process `who`; RuntimeError as soon as one of `procs`
+    (the processes the message depends on) has exited without it being sent, TimeoutError
+    after the bound."""
+    deadline = time.monotonic() + _BOUND_S
+    while not conn.poll():
+        ready = wait([conn, *(p.sentinel for p in procs)], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise TimeoutError(f"the bench {who} did not answer in {_BOUND_S}s")
+        dead = [p for p in procs if p.sentinel in ready]
+        for p in dead:
+            p.join(_REAP_S)  # it has exited: this only reaps it, for its exit code
+        if dead and not conn.poll():
+            exits = ", ".join(f"{p.name} exited with code {p.exitcode}" for p in dead)
+            raise RuntimeError(f"the bench {who} did not answer: {exits} (see its error output)")
     return conn.recv()
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from kvfsm._demo import DemoReport, time_in_state, worst_state
 from kvfsm._demo_rank import WIRE_VERSION, RankSpec, rank_main
+from kvfsm._host import require_memory
 from kvfsm._presets import DTYPES, model_geometry
 from kvfsm.core import Mode, agent_name
 from kvfsm.sidechannel import compat_hash
@@ -75,6 +76,13 @@ def run_nixl_demo(
     }
     if d_block_size % p_block_size:
         raise ValueError(f"P's block size {p_block_size} must divide D's {d_block_size}")
+    caches = [geometry["P"].for_rank(r).kv_bytes for r in range(p_tp)] + [
+        geometry["D"].for_rank(r).kv_bytes for r in range(d_tp)
+    ]
+    require_memory(
+        sum(caches), f"{len(caches)} rank KV caches of up to {max(caches) / 2**30:,.2f} GiB",
+        "a smaller --memory-mib",
+    )  # fmt: skip
     hash_ = compat_hash(
         wire_version=WIRE_VERSION,
         mode=mode,
@@ -250,17 +258,17 @@ def _stop(pipes: dict[str, Connection], procs: dict[str, Any], tally: _Tally) ->
             continue
     for agent, conn in pipes.items():
         deadline = time.monotonic() + 30
-        while (time.monotonic() < deadline and procs[agent].is_alive()) or conn.poll():
-            if not conn.poll(0.1):
-                continue
-            try:
+        try:
+            while (time.monotonic() < deadline and procs[agent].is_alive()) or conn.poll():
+                if not conn.poll(0.1):
+                    continue
                 msg = conn.recv()
-            except EOFError:
-                break
-            if msg[0] == "counters":
-                tally.counters.update(msg[1])
-                tally.errors += [f"{agent}: {e}" for e in msg[2]]
-                break
+                if msg[0] == "counters":
+                    tally.counters.update(msg[1])
+                    tally.errors += [f"{agent}: {e}" for e in msg[2]]
+                    break
+        except (EOFError, OSError):  # the rank has died (a reset pipe when it died unread)
+            continue
     for proc in procs.values():
         proc.join(timeout=30)
         if proc.is_alive():

@@ -158,6 +158,9 @@ def _demo(args: argparse.Namespace) -> int:
     except ValueError as exc:  # a geometry the engines cannot run (TP not splitting heads, ...)
         print(f"kvfsm demo: {exc}", file=sys.stderr)
         return 2
+    except (RuntimeError, TimeoutError) as exc:  # a rank failed (its own error is above)
+        print(f"kvfsm demo: {exc}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(msgspec.to_builtins(report), sort_keys=True))
     else:
@@ -180,8 +183,12 @@ def _bench(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvfsm bench: {exc}", file=sys.stderr)
         return 2
-    with progress_bar(steps(options), enabled=not args.json, label="measurements") as advance:
-        report = run_bench(options, advance)
+    try:
+        with progress_bar(steps(options), enabled=not args.json, label="measurements") as advance:
+            report = run_bench(options, advance)
+    except (RuntimeError, TimeoutError) as exc:  # a bench process failed (its error is above)
+        print(f"kvfsm bench: {exc}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(report, sort_keys=True))
     else:
