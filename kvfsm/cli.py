@@ -1,12 +1,13 @@
-"""The `kvfsm` command line: `demo`, `bench`, `scenario`, `diagrams`."""
+"""The `kvfsm` command line: `demo`, `bench`, `scenario`, `diagrams`, `check`."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeAlias
 
 import msgspec
 
@@ -15,13 +16,23 @@ from kvfsm._presets import MODELS
 __all__ = ["main"]
 
 _DIAGRAMS = Path("docs/diagrams")
+# argparse types its subparsers' action privately.
+_Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     parser = argparse.ArgumentParser(prog="kvfsm", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_demo, _add_bench, _add_scenario, _add_diagrams, _add_check):
+        add(commands)
+    args = parser.parse_args(argv)
+    run: Callable[[argparse.Namespace], int] = args.run
+    return run(args)
 
+
+def _add_demo(commands: _Commands) -> None:
+    """`kvfsm demo`: P and D engines moving KV, every byte checked."""
     demo = commands.add_parser("demo", help="move KV between a P and a D engine, bytes checked")
     demo.add_argument(
         "--fabric", choices=["nixl", "sim"], default="nixl",
@@ -49,7 +60,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "must then report the mismatch and exit 1",
     )  # fmt: skip
     demo.add_argument("--json", action="store_true", help="print one JSON object")
+    demo.set_defaults(run=_demo)
 
+
+def _add_bench(commands: _Commands) -> None:
+    """`kvfsm bench`: the engine side by side with raw NIXL and memcpy."""
     bench = commands.add_parser(
         "bench",
         help="throughput side by side: raw NIXL (vLLM's way, kvfsm's settings), the engine, memcpy",
@@ -85,7 +100,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="lifecycles per control-plane measurement (0 skips it)",
     )  # fmt: skip
     bench.add_argument("--json", action="store_true", help="print one JSON object")
+    bench.set_defaults(run=_bench)
 
+
+def _add_scenario(commands: _Commands) -> None:
+    """`kvfsm scenario`: replay scenario files."""
     scenario = commands.add_parser(
         "scenario", help="replay scenario files (engines, requests, a timeline, faults)"
     )
@@ -95,11 +114,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="sim: the simulated fabric (every fault); nixl: real NIXL agents in this process",
     )  # fmt: skip
     scenario.add_argument("--json", action="store_true", help="print one JSON object per file")
+    scenario.set_defaults(run=_scenario)
 
+
+def _add_diagrams(commands: _Commands) -> None:
+    """`kvfsm diagrams`: the state diagrams from models/."""
     diagrams = commands.add_parser("diagrams", help="generate docs/diagrams from models/")
     diagrams.add_argument("--out", type=Path, default=_DIAGRAMS)
     diagrams.add_argument("--check", action="store_true", help="fail if they are stale")
+    diagrams.set_defaults(run=_diagrams)
 
+
+def _add_check(commands: _Commands) -> None:
+    """`kvfsm check`: every interleaving of requests and faults, explored."""
     check = commands.add_parser(
         "check", help="explore every interleaving of requests and faults on the simulated fabric"
     )
@@ -114,17 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="processes replaying paths (default: one per CPU; the report is the same)",
     )  # fmt: skip
     check.add_argument("--json", action="store_true", help="print one JSON object")
-
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        return _demo(args)
-    if args.command == "bench":
-        return _bench(args)
-    if args.command == "scenario":
-        return _scenario(args)
-    if args.command == "check":
-        return _check(args)
-    return _diagrams(args)
+    check.set_defaults(run=_check)
 
 
 def _demo(args: argparse.Namespace) -> int:

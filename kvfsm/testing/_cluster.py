@@ -69,6 +69,21 @@ FAST_CONFIG = CoreConfig(
 """Short bounds so a simulated run reaches every deadline in a few simulated seconds."""
 
 
+def _side_geometries(
+    geometry: KvGeometry, num_blocks: int, d_block_size: int | None, p_tp: int, d_tp: int
+) -> dict[str, KvGeometry]:
+    """P's and D's geometries: `geometry` with `num_blocks`, D's blocks `d_block_size` tokens
+    (default: P's; a multiple of P's)."""
+    base = msgspec.structs.replace(geometry, num_blocks=num_blocks)
+    d_bs = d_block_size or geometry.block_size
+    if d_bs % geometry.block_size:
+        raise ValueError(f"D's block size {d_bs} must be a multiple of P's {geometry.block_size}")
+    return {
+        "P": msgspec.structs.replace(base, tp_size=p_tp),
+        "D": msgspec.structs.replace(base, tp_size=d_tp, block_size=d_bs),
+    }
+
+
 @dataclass
 class PairedRequest:
     """One request as both sides see it."""
@@ -126,17 +141,8 @@ class SimCluster:
         self.secret = secret
         self._t0 = time.monotonic()
         self.directory = LocalDirectory(lambda: self.now, 0.0 if self.real else handshake_latency)
-        base = msgspec.structs.replace(geometry, num_blocks=num_blocks)
-        d_bs = d_block_size or geometry.block_size
-        if d_bs % geometry.block_size:
-            raise ValueError(
-                f"D's block size {d_bs} must be a multiple of P's {geometry.block_size}"
-            )
-        self.geometry = {
-            "P": msgspec.structs.replace(base, tp_size=p_tp),
-            "D": msgspec.structs.replace(base, tp_size=d_tp, block_size=d_bs),
-        }
-        self.unit_tokens = min(geometry.block_size, d_bs)
+        self.geometry = _side_geometries(geometry, num_blocks, d_block_size, p_tp, d_tp)
+        self.unit_tokens = min(g.block_size for g in self.geometry.values())
         self.rng = random.Random(seed)
         self.p_tp, self.d_tp = p_tp, d_tp
         self.conformance = Conformance() if conformance else None
