@@ -67,7 +67,8 @@ class BenchOptions:
 
 def run_bench(options: BenchOptions, advance: Callable[[int], None]) -> dict[str, Any]:
     """Every variant in turn (fresh processes each), `options.repeat` rounds, then memcpy; the
-    report as a JSON-able dict: each variant's median run, with every run's GB/s."""
+    report as a JSON-able dict: each variant's median run, with every run's GB/s in round order
+    and b/a2 round by round."""
     plan = options.plan
     report: dict[str, Any] = {
         "mode": options.mode, "op": plan.op, "allocation": options.allocation,
@@ -85,9 +86,13 @@ def run_bench(options: BenchOptions, advance: Callable[[int], None]) -> dict[str
             advance(1)
     verified = all(bool(r["verified"]) for results in runs.values() for r in results)
     for variant, results in runs.items():
-        results.sort(key=lambda r: gbps(plan, r))
-        report |= _figures(plan, variant, results[(len(results) - 1) // 2])
-        report[f"{variant}_gbps_runs"] = [gbps(plan, r) for r in results]
+        median = sorted(results, key=lambda r: gbps(plan, r))[(len(results) - 1) // 2]
+        report |= _figures(plan, variant, median)
+        report[f"{variant}_gbps_runs"] = [gbps(plan, r) for r in results]  # in round order
+    # b/a2 within each round: how far the headline ratio (of the medians) can be trusted here.
+    report["ratio_engine_raw_by_round"] = [
+        b / a2 for b, a2 in zip(report["engine_gbps_runs"], report["raw_gbps_runs"], strict=True)
+    ]
     report["memcpy_gbps"] = memcpy_gbps(plan)
     advance(1)
     report |= _control_plane(options, advance)

@@ -115,6 +115,12 @@ def bench_table(report: dict[str, object]) -> None:
         )
         table.add_row(label, f"{value:.2f}", *cells, rows_cell, f"{value / anchor:.2f}")
     console.print(table)
+    by_round: list[float] = report["ratio_engine_raw_by_round"]  # type: ignore[assignment]
+    rounds = ", ".join(f"{r:.2f}" for r in by_round)
+    console.print(
+        f"b/a2 {report['ratio_engine_raw']:.2f} (round by round: {rounds});"
+        f" c/a1 {report['ratio_coalesced_raw']:.2f}"
+    )
     control = report.get("control_us_per_request")
     engine = report.get("control_engine_us_per_request")
     if isinstance(control, dict) and isinstance(engine, dict):
