@@ -1,0 +1,51 @@
+"""How `kvfsm bench` turns its rounds into a report: each variant's median run, every run in
+round order, and b/a2 paired within each round. The runs are stand-ins with known wall times
+(the real variants, with NIXL, are in tests/nixl/test_bench.py): the aggregation is what is
+tested here, and with real runs no test can know which order the rounds came in."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import kvfsm._bench as bench
+from kvfsm._bench_raw import BenchPlan
+
+# Wall seconds of each variant's run, round by round.
+_WALLS = {"raw": [1.0, 4.0, 2.0], "engine": [2.0, 2.0, 8.0]}
+
+
+def _stand_in(walls: list[float]) -> Callable[[BenchPlan], dict[str, Any]]:
+    rounds = iter(walls)
+
+    def run(plan: BenchPlan) -> dict[str, Any]:
+        rows = len(plan.src[0]) * plan.regions * len(plan.src)
+        return {
+            "wall_s": next(rounds), "latency_s": [1e-3], "cpu_s": 1e-3, "verified": True,
+            "descriptors": rows, "fabric_descriptors": rows,
+        }  # fmt: skip
+
+    return run
+
+
+def test_rounds_keep_their_order_and_b_over_a2_is_paired_within_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for variant in bench._VARIANTS:
+        monkeypatch.setitem(bench._VARIANTS, variant, _stand_in(_WALLS.get(variant, [1.0] * 3)))
+    options = bench.BenchOptions(
+        mode="push", allocation="contiguous", block_kib=4, num_blocks=8, regions=2, requests=2,
+        blocks_per_request=2, inflight=1, seed=0, repeat=3,
+    )  # fmt: skip
+    steps: list[int] = []
+    report = bench.run_bench(options, steps.append)
+    moved = options.plan.bytes_per_request * 2 / 1e9  # GB per run
+    assert report["raw_gbps_runs"] == pytest.approx([moved / w for w in _WALLS["raw"]])
+    assert report["engine_gbps_runs"] == pytest.approx([moved / w for w in _WALLS["engine"]])
+    # Medians: raw's 2 s run, engine's 2 s runs; their ratio, and each round's own.
+    assert report["raw_gbps"] == pytest.approx(moved / 2) == report["engine_gbps"]
+    assert report["ratio_engine_raw"] == pytest.approx(1.0)
+    assert report["ratio_engine_raw_by_round"] == pytest.approx([0.5, 2.0, 0.25])
+    assert len(steps) == bench.steps(options) and report["verified"] is True
