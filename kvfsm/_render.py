@@ -121,6 +121,11 @@ def bench_table(report: dict[str, object]) -> None:
         f"b/a2 {report['ratio_engine_raw']:.2f} (round by round: {rounds});"
         f" c/a1 {report['ratio_coalesced_raw']:.2f}"
     )
+    raw_us = float(report["raw_time_us_per_request"])  # type: ignore[arg-type]
+    console.print(
+        f"engine {report['engine_extra_us_per_request']:+.0f} µs a request over raw NIXL's"
+        f" {raw_us:.0f} (b/a2 >= 0.95 allows {raw_us / 19:.0f})"
+    )
     control = report.get("control_us_per_request")
     engine = report.get("control_engine_us_per_request")
     if isinstance(control, dict) and isinstance(engine, dict):

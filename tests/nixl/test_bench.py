@@ -67,6 +67,9 @@ def test_repeated_rounds_report_each_variants_median_run(
     assert report["ratio_engine_raw_by_round"] == [
         b / a2 for b, a2 in zip(engine, raw, strict=True)
     ]
+    per_request = [1e-3 * report["bytes_per_request"] / sorted(r)[1] for r in (raw, engine)]
+    assert report["raw_time_us_per_request"] == pytest.approx(per_request[0])
+    assert report["engine_extra_us_per_request"] == pytest.approx(per_request[1] - per_request[0])
 
 
 def test_the_byte_check_fails_on_a_wrong_byte() -> None:
@@ -106,6 +109,7 @@ def test_the_table_shows_every_row(capsys: pytest.CaptureFixture[str]) -> None:
     rows = ("a1 raw", "a2 raw", "unmerged", "b  engine", "c  engine", "d  memcpy")
     assert all(s in out for s in (*rows, "control", "every byte verified"))
     assert "b/a2 " in out and "round by round: " in out and "c/a1 " in out
+    assert "µs a request over raw NIXL's" in out and "b/a2 >= 0.95 allows" in out
 
 
 def test_a_churned_free_queue_holds_every_block_once_in_broken_runs() -> None:
