@@ -30,7 +30,7 @@ from typing import Any
 
 from kvfsm._bench_engine import run_engine_variant
 from kvfsm._bench_raw import BenchPlan, plan_requests, run_variant
-from kvfsm.fabric._nixl import NixlFabric
+from kvfsm.fabric import NixlFabric
 
 _ENV = "KVFSM_NIXL_CALLS_DIR"
 _CALLS = ("make_prepped_xfer", "transfer", "check_xfer_state", "release_xfer_handle",
