@@ -28,8 +28,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from profile_engine import contiguous_plan  # beside this script
+
 from kvfsm._bench_engine import run_engine_variant
-from kvfsm._bench_raw import BenchPlan, plan_requests, run_variant
+from kvfsm._bench_raw import BenchPlan, run_variant
 from kvfsm.fabric import NixlFabric
 
 _ENV = "KVFSM_NIXL_CALLS_DIR"
@@ -112,14 +114,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    n = args.requests
-    src, dst = plan_requests(
-        requests=n, blocks=16, num_blocks=16 * n, allocation="contiguous", seed=0
-    )
-    plan = BenchPlan(
-        block_bytes=16384, num_blocks=16 * n, regions=args.regions,
-        op="WRITE" if args.mode == "push" else "READ", src=src, dst=dst,
-    )  # fmt: skip
+    plan = contiguous_plan(args.mode, args.requests, args.regions)
     posters = {"a2": "bench-initiator", "b": "P" if args.mode == "push" else "D"}
     runs: dict[str, list[dict[str, Any]]] = {"a2": [], "b": []}
     for r in range(args.rounds):

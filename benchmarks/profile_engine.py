@@ -36,17 +36,22 @@ _GROUPS = {
 }
 
 
-def run(mode: str, requests: int, regions: int) -> None:
-    """Run the engine variant once and print its figures (latencies left out)."""
+def contiguous_plan(mode: str, requests: int, regions: int) -> BenchPlan:
+    """`requests` requests of 16 blocks of 16 KiB in each of `regions` regions, contiguous
+    (`regions=4`: 1 MiB requests), as the bench's defaults lay them out."""
     src, dst = plan_requests(
         requests=requests, blocks=_BLOCKS, num_blocks=requests * _BLOCKS,
         allocation="contiguous", seed=0,
     )  # fmt: skip
-    plan = BenchPlan(
+    return BenchPlan(
         block_bytes=_BLOCK_BYTES, num_blocks=requests * _BLOCKS, regions=regions,
         op="WRITE" if mode == "push" else "READ", src=src, dst=dst,
     )  # fmt: skip
-    figures = run_engine_variant(plan, coalesce=False)
+
+
+def run(mode: str, requests: int, regions: int) -> None:
+    """Run the engine variant once and print its figures (latencies left out)."""
+    figures = run_engine_variant(contiguous_plan(mode, requests, regions), coalesce=False)
     print(json.dumps({k: v for k, v in figures.items() if k != "latency_s"}))
 
 
