@@ -43,7 +43,8 @@ from kvfsm.core import (
 )
 from kvfsm.fabric import SimNetwork
 from kvfsm.layout import KvGeometry
-from kvfsm.runtime import Engine, KvCache, LocalDirectory
+from kvfsm.runtime import Engine, KvCache
+from kvfsm.sidechannel import LocalDirectory
 
 __all__ = ["bench", "core_wave", "engine_wave", "make_engines", "memory_per_request"]
 

@@ -27,7 +27,7 @@ from typing import Any, Literal, TypeVar
 
 import numpy as np
 
-from kvfsm._demo_rank import WIRE_VERSION, RankSpec, rank_main
+from kvfsm._demo_rank import RankSpec, rank_main
 from kvfsm._nixl_demo import _await_ready, _Driver, _readable, _stop, _Tally
 from kvfsm._presets import DTYPES, model_geometry
 from kvfsm._render import figures_table
@@ -35,6 +35,7 @@ from kvfsm.core import Event, Mode, agent_name
 from kvfsm.fabric import UCX_ERROR_HANDLING_DEFAULT, UcxErrorHandling
 from kvfsm.runtime import CallerOutput, Engine
 from kvfsm.sidechannel import compat_hash
+from kvfsm.wire import WIRE_VERSION
 
 __all__ = ["LOOPS", "Poll1msLoop", "bench_handoff", "run_loop"]
 

@@ -33,6 +33,7 @@ from kvfsm.core import (
 )
 from kvfsm.fabric import UCX_ERROR_HANDLING_DEFAULT, UcxErrorHandling
 from kvfsm.layout import KvGeometry
+from kvfsm.wire import WIRE_VERSION
 
 if TYPE_CHECKING:
     from kvfsm.core import Side
@@ -49,7 +50,6 @@ __all__ = [
     "rank_main",
 ]
 
-WIRE_VERSION = 1
 HANDSHAKE_TIMEOUT_S = 10.0
 """How long a rank's handshake waits for a peer's listener before it fails, by default."""
 

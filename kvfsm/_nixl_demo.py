@@ -22,11 +22,12 @@ from typing import Any
 import numpy as np
 
 from kvfsm._demo import DemoReport, time_in_state, worst_state
-from kvfsm._demo_rank import WIRE_VERSION, RankSpec, rank_main
+from kvfsm._demo_rank import RankSpec, rank_main
 from kvfsm._host import require_memory
 from kvfsm._presets import DTYPES, model_geometry
 from kvfsm.core import Mode, agent_name
 from kvfsm.sidechannel import compat_hash
+from kvfsm.wire import WIRE_VERSION
 
 __all__ = ["run_nixl_demo"]
 

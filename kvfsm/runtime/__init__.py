@@ -1,6 +1,5 @@
 """The runtime: engines that drive the core and execute its commands on a fabric."""
 
-from kvfsm.runtime._directory import DirectoryView, LocalDirectory, clock_offset
 from kvfsm.runtime._engine import (
     CallerOutput,
     Directory,
@@ -19,19 +18,16 @@ __all__ = [
     "MAX_GUESTS",
     "CallerOutput",
     "Directory",
-    "DirectoryView",
     "Engine",
     "EngineLoop",
     "Guests",
     "HandshakeError",
     "InFlight",
     "KvCache",
-    "LocalDirectory",
     "PeerInfo",
     "RequestTrace",
     "Route",
     "TransferStats",
-    "clock_offset",
     "plan_route",
     "time_in_state",
 ]

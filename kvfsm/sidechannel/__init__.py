@@ -4,12 +4,14 @@ and KV block geometry before any transfer.
 A `HandshakeListener` (one per engine rank process, ROUTER socket, one daemon thread) serves the
 `HandshakePayload` of its agents; `fetch_peer` asks for one (REQ socket, bounded by a timeout)
 and `validate` checks its geometry; `ZmqDirectory` runs those off the engine's thread and
-implements the runtime's `Directory` protocol. Both ends agree on a `compat_hash`.
+implements the runtime's `Directory` protocol. `LocalDirectory` implements the same protocol
+within one process, for the simulated fabric. Both ends agree on a `compat_hash`.
 """
 
 from kvfsm.sidechannel._client import fetch_peer, validate
-from kvfsm.sidechannel._directory import ZmqDirectory
+from kvfsm.sidechannel._clock import clock_offset
 from kvfsm.sidechannel._listener import HandshakeListener
+from kvfsm.sidechannel._local_directory import DirectoryView, LocalDirectory
 from kvfsm.sidechannel._payload import (
     MAX_HANDSHAKE_BYTES,
     HandshakeAccepted,
@@ -25,18 +27,22 @@ from kvfsm.sidechannel._payload import (
     encode,
     payload_of,
 )
+from kvfsm.sidechannel._zmq_directory import ZmqDirectory
 
 __all__ = [
     "MAX_HANDSHAKE_BYTES",
+    "DirectoryView",
     "HandshakeAccepted",
     "HandshakeListener",
     "HandshakePayload",
     "HandshakeRefused",
     "HandshakeReply",
     "HandshakeRequest",
+    "LocalDirectory",
     "SidechannelError",
     "Unauthenticated",
     "ZmqDirectory",
+    "clock_offset",
     "compat_hash",
     "decode_reply",
     "decode_request",

@@ -9,7 +9,8 @@ import zmq
 
 from kvfsm.core import agent_name
 from kvfsm.layout import KvGeometry
-from kvfsm.runtime import HandshakeError, clock_offset, plan_route
+from kvfsm.runtime import HandshakeError, plan_route
+from kvfsm.sidechannel._clock import clock_offset
 from kvfsm.sidechannel._payload import (
     _HARD_LIMIT_BYTES,
     HandshakePayload,

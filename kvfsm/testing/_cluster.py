@@ -40,7 +40,8 @@ from kvfsm.fabric import (
     UcxErrorHandling,
 )
 from kvfsm.layout import KvGeometry
-from kvfsm.runtime import CallerOutput, DirectoryView, Engine, KvCache, LocalDirectory
+from kvfsm.runtime import CallerOutput, Engine, KvCache
+from kvfsm.sidechannel import DirectoryView, LocalDirectory
 from kvfsm.testing._invariants import Conformance, Ledger
 from kvfsm.testing._pattern import request_seed, write_request
 from kvfsm.wire import SharedSecret

@@ -39,10 +39,9 @@ from kvfsm.sidechannel import HandshakePayload, ZmqDirectory, compat_hash, paylo
 from kvfsm.vllm._scheduler import ConnectorStep
 from kvfsm.vllm._settings import KvfsmSettings
 from kvfsm.vllm._stats import StatsWindow
+from kvfsm.wire import WIRE_VERSION
 
-__all__ = ["WIRE_VERSION", "WorkerSide"]
-
-WIRE_VERSION = 1
+__all__ = ["WorkerSide"]
 _log = logging.getLogger("vllm.kvfsm")  # under vLLM's logging configuration
 
 

@@ -3,6 +3,7 @@
 from kvfsm.wire._auth import MIN_SECRET_BYTES, TAG_BYTES, AuthError, SharedSecret, is_sealed
 from kvfsm.wire._messages import (
     MAX_MESSAGE_BYTES,
+    WIRE_VERSION,
     BlockIds,
     Cancel,
     CancelAck,
@@ -25,6 +26,7 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "MIN_SECRET_BYTES",
     "TAG_BYTES",
+    "WIRE_VERSION",
     "AuthError",
     "BlockIds",
     "Cancel",

@@ -15,6 +15,7 @@ import numpy.typing as npt
 
 __all__ = [
     "MAX_MESSAGE_BYTES",
+    "WIRE_VERSION",
     "BlockIds",
     "Cancel",
     "CancelAck",
@@ -35,6 +36,10 @@ __all__ = [
 
 MAX_MESSAGE_BYTES = 1 << 20
 """Largest notification accepted (a registration of ~260,000 blocks)."""
+
+WIRE_VERSION = 1
+"""The version of these messages. It enters every handshake's compatibility hash and payload,
+so engines speaking different versions refuse each other before any transfer."""
 
 BlockIds = npt.NDArray[np.int32]
 

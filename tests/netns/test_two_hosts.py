@@ -32,12 +32,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvfsm._demo_rank import WIRE_VERSION, RankSpec, rank_main
+from kvfsm._demo_rank import RankSpec, rank_main
 from kvfsm._presets import DTYPES, model_geometry
 from kvfsm.core import CoreConfig, Mode
 from kvfsm.fabric import tcp_late_delivery_s
 from kvfsm.sidechannel import compat_hash
 from kvfsm.testing._netns import Host, NetnsError, NetnsPair, netns_main, ucx_env
+from kvfsm.wire import WIRE_VERSION
 
 _CONFIG = CoreConfig(
     lease_s=3.0, watchdog_s=2.0, stall_s=1.0, producer_stall_s=2.0, fence_s=2.0,

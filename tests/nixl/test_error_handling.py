@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvfsm._demo_rank import WIRE_VERSION, RankSpec, rank_main
+from kvfsm._demo_rank import RankSpec, rank_main
 from kvfsm._nixl_demo import _await_ready
 from kvfsm._presets import DTYPES, model_geometry
 from kvfsm.core import CoreConfig
@@ -27,6 +27,7 @@ from kvfsm.fabric import (
     UcxErrorHandling,
 )
 from kvfsm.sidechannel import compat_hash
+from kvfsm.wire import WIRE_VERSION
 
 _BOUND_S = 60.0  # a hang bound, not a timing expectation
 _names = itertools.count()

@@ -11,7 +11,8 @@ import pytest
 
 from kvfsm.core import Consumer, Identity
 from kvfsm.fabric import TCP_DRAIN_SLACK_S, TCP_USER_TIMEOUT_DEFAULT, NixlFabric
-from kvfsm.runtime import Engine, KvCache, LocalDirectory
+from kvfsm.runtime import Engine, KvCache
+from kvfsm.sidechannel import LocalDirectory
 from kvfsm.testing import FAST_CONFIG, SIM_GEOMETRY
 
 

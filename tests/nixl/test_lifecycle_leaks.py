@@ -11,7 +11,8 @@ import numpy as np
 from kvfsm.core import Admit, Consumer, Finished, Identity, PrefillFinished, Producer, Shutdown
 from kvfsm.fabric import NixlFabric
 from kvfsm.layout import KvGeometry
-from kvfsm.runtime import Engine, KvCache, LocalDirectory
+from kvfsm.runtime import Engine, KvCache
+from kvfsm.sidechannel import LocalDirectory
 
 _GEOMETRY = KvGeometry(
     num_layers=2, num_kv_heads=2, head_dim=64, dtype_bytes=2, block_size=8, num_blocks=4

@@ -33,8 +33,8 @@ from kvfsm.core import (
 from kvfsm.fabric import NixlFabric
 from kvfsm.layout import KvGeometry
 from kvfsm.lifecycle import LocalProtocolError
-from kvfsm.runtime import CallerOutput, Engine, EngineLoop, KvCache, LocalDirectory, RequestTrace
-from kvfsm.sidechannel import HandshakeListener, ZmqDirectory, payload_of
+from kvfsm.runtime import CallerOutput, Engine, EngineLoop, KvCache, RequestTrace
+from kvfsm.sidechannel import HandshakeListener, LocalDirectory, ZmqDirectory, payload_of
 from kvfsm.testing import check_request, request_seed, write_request
 
 _GEOMETRY = KvGeometry(

@@ -22,7 +22,8 @@ from kvfsm.core import (
 )
 from kvfsm.fabric import FabricError, NixlFabric, NotFoundError
 from kvfsm.layout import KvGeometry
-from kvfsm.runtime import Engine, KvCache, LocalDirectory, RequestTrace
+from kvfsm.runtime import Engine, KvCache, RequestTrace
+from kvfsm.sidechannel import LocalDirectory
 from kvfsm.testing import PatternCheck, check_request, request_seed, write_request
 
 _names = itertools.count()

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from kvfsm.core import Mode, Side
-from kvfsm.runtime import clock_offset
+from kvfsm.sidechannel import clock_offset
 from kvfsm.testing import FAST_CONFIG, SimCluster
 
 SKEWS = [{"P": 3e5}, {"D": 3e5}, {"P": -50.0}, {"D": -7.5}]

@@ -11,7 +11,8 @@ import torch
 from kvfsm.core import Admit, Consumer, Finished, Identity, Mode, PrefillFinished, Producer
 from kvfsm.fabric import FabricError, SimNetwork
 from kvfsm.layout import KvGeometry
-from kvfsm.runtime import Engine, KvCache, LocalDirectory, RequestTrace, plan_route
+from kvfsm.runtime import Engine, KvCache, RequestTrace, plan_route
+from kvfsm.sidechannel import LocalDirectory
 from kvfsm.testing import SIM_GEOMETRY, SIM_MLA_GEOMETRY, SimCluster
 
 MODES = ["push", "pull"]

@@ -21,7 +21,8 @@ from kvfsm.fabric import (
     SimNetwork,
     tcp_late_delivery_s,
 )
-from kvfsm.runtime import Engine, KvCache, LocalDirectory
+from kvfsm.runtime import Engine, KvCache
+from kvfsm.sidechannel import LocalDirectory
 from kvfsm.testing import SIM_GEOMETRY, SimCluster
 
 LATE = 0.5

@@ -1,4 +1,5 @@
-"""An in-process directory of engines: the handshake of the simulated fabric, with a fault knob."""
+"""The runtime's `Directory` within one process: engines found by name, handshakes after a set
+latency, with fault knobs. The simulated fabric's side channel; `ZmqDirectory` is the real one."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ from collections.abc import Callable
 
 import msgspec
 
-from kvfsm.runtime._engine import HandshakeError, PeerInfo
-from kvfsm.runtime._guests import Guests
+from kvfsm.runtime import Guests, HandshakeError, PeerInfo
+from kvfsm.sidechannel._clock import clock_offset
 
-__all__ = ["DirectoryView", "LocalDirectory", "clock_offset"]
+__all__ = ["DirectoryView", "LocalDirectory"]
 
 
 class LocalDirectory:
@@ -118,14 +119,3 @@ class DirectoryView:
                 (peer, msgspec.structs.replace(info, clock_offset=offset, clock_error=error))
             )
         return out
-
-
-def clock_offset(
-    sent: float, peer_received: float, peer_sent: float, received: float
-) -> tuple[float, float]:
-    """A peer's clock minus ours, and the bound on its error, from one exchange (NTP's
-    estimate): we sent at `sent` and got the answer at `received` (our clock); the peer got the
-    request at `peer_received` and answered at `peer_sent` (its clock). The error is at most
-    half the time the messages spent travelling, however long the peer held the request."""
-    travel = (received - sent) - (peer_sent - peer_received)
-    return ((peer_received - sent) + (peer_sent - received)) / 2, max(travel, 0.0) / 2
