@@ -14,6 +14,7 @@ from kvfsm.testing._cluster import (
 )
 from kvfsm.testing._invariants import COVERAGE, Conformance, Ledger, untaken_transitions
 from kvfsm.testing._pattern import PatternCheck, check_request, request_seed, write_request
+from kvfsm.testing._ports import free_port
 from kvfsm.testing._scenario import ScenarioReport, run_scenario
 from kvfsm.testing._scenario_file import Scenario, ScenarioError, load_scenario
 from kvfsm.testing._stateful import LifecycleMachine, machine_for
@@ -39,6 +40,7 @@ __all__ = [
     "SimCluster",
     "check_request",
     "default_workers",
+    "free_port",
     "load_scenario",
     "machine_for",
     "request_seed",

@@ -28,7 +28,6 @@ children, never in this process::
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -38,6 +37,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from kvfsm.testing._ports import free_port
 from kvfsm.testing._vllm_proc import (
     PROMPT_SOURCES,
     EngineError,
@@ -75,13 +75,6 @@ P_REQUEST_PARAMS: dict[str, Any] = {
 }
 
 _START_TIMEOUT_S = 300.0
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, read, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def make_tiny_llama(path: Path, seed: int = 0) -> Path:

@@ -7,7 +7,6 @@ P is a real engine behind a real `HandshakeListener`, or a stand-in that misbeha
 from __future__ import annotations
 
 import itertools
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -32,19 +31,13 @@ from kvfsm.fabric import NixlFabric
 from kvfsm.layout import KvGeometry
 from kvfsm.runtime import Engine, KvCache
 from kvfsm.sidechannel import HandshakeListener, HandshakePayload, ZmqDirectory, payload_of
-from kvfsm.testing import check_request, request_seed, write_request
+from kvfsm.testing import check_request, free_port, request_seed, write_request
 
 _HASH, _WIRE = "test-hash", 1
 _GEOMETRY = KvGeometry(
     num_layers=2, num_kv_heads=2, head_dim=64, dtype_bytes=2, block_size=8, num_blocks=16
 )
 _ids = itertools.count()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _engine(side: str, name: str, mode: Mode, addresses: dict[str, tuple[str, int]]) -> Engine:
@@ -123,7 +116,7 @@ def test_handshake_failure_fails_the_request_and_the_engine_goes_on(
     servers: list[Iterator[int]] = []
     try:
         if failure == "nothing listening":
-            port = _free_port()
+            port = free_port()
         elif failure in ("hash mismatch", "wrong engine", "geometry"):
             bad = {
                 "hash mismatch": {"compat_hash": "another-model"},

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,6 +33,7 @@ from kvfsm.sidechannel import (
     fetch_peer,
     validate,
 )
+from kvfsm.testing import free_port
 
 HOST = "127.0.0.1"
 WIRE = 1
@@ -76,13 +76,6 @@ def _fetch(port: int, agent: str = "prefill#0", **kw: object) -> HandshakePayloa
     args: dict[str, object] = {"compat_hash": HASH, "wire_version": WIRE, "timeout_s": SAFETY_S}
     args.update(kw)
     return fetch_peer(HOST, port, agent, **args)[0]  # type: ignore[arg-type]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        port: int = s.getsockname()[1]
-    return port
 
 
 def _raw_request(port: int, frames: list[bytes]) -> HandshakeReply:
@@ -172,7 +165,7 @@ def test_handshake_returns_the_payload(listener: HandshakeListener) -> None:
 
 
 def test_nothing_listening_is_a_handshake_error() -> None:
-    port = _free_port()
+    port = free_port(HOST)
     with pytest.raises(HandshakeError, match=rf"no answer from {HOST}:{port} within 0.3s"):
         _fetch(port, timeout_s=0.3)
 
@@ -352,7 +345,7 @@ def test_directory_measures_the_peer_clock_offset(skew: float) -> None:
 
 
 def test_directory_reports_successes_and_failures(listener: HandshakeListener) -> None:
-    dead = _free_port()
+    dead = free_port(HOST)
     addresses = {
         "prefill#0": (HOST, listener.port),
         "prefill#1": (HOST, listener.port),

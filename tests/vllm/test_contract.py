@@ -8,7 +8,6 @@ holding no request state."""
 from __future__ import annotations
 
 import functools
-import socket
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,6 +34,7 @@ from vllm.distributed import parallel_state
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
+from kvfsm.testing import free_port
 from kvfsm.vllm import KvfsmConnector, KvfsmStats, SettingsError
 
 MODES = ["push", "pull"]
@@ -48,12 +48,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model_dir(tmp_path_factory)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Engine:
     """One vLLM engine in-process: its scheduler (with the connector's scheduler half) and its
     worker ranks (the worker half each, real NIXL, the CPU KV tensors it registered)."""
@@ -63,7 +57,7 @@ class Engine:
     ) -> None:
         config = {
             "kv_connector": "KvfsmConnector", "kv_connector_module_path": "kvfsm.vllm",
-            "kv_role": role, "kv_connector_extra_config": extra | {"side_channel_port": _free_port()},
+            "kv_role": role, "kv_connector_extra_config": extra | {"side_channel_port": free_port()},
         }  # fmt: skip
         vllm_config = make_vllm_config(model_dir, config, kv_load_failure_policy=policy)  # type: ignore[arg-type]
         vllm_config.parallel_config.tensor_parallel_size = tp
@@ -365,7 +359,7 @@ def test_prometheus_metrics_count_what_the_stats_carry(model_dir: Path) -> None:
 def test_an_unreachable_p_fails_the_load_in_bounded_time(model_dir: Path, mode: str) -> None:
     with pair(model_dir, mode, d_extra={"handshake_timeout_s": 0.5}) as e:
         params = e.prefill("p-1")
-        e.decode("d-1", params | {"remote_port": _free_port()})  # nothing listens there
+        e.decode("d-1", params | {"remote_port": free_port()})  # nothing listens there
         e.d.driver.step()
         d_blocks = e.d.blocks("d-1")
         invalid: set[int] = set()
