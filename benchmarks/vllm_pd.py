@@ -1,6 +1,6 @@
 """Hand-off latency of real vLLM P/D pairs: vLLM's NIXL connectors against kvfsm's (a benchmark).
 
-For each connector, a fresh P engine and D engine (``kvfsm.testing.vllm_pd``) on a seeded tiny
+For each connector, a fresh P engine and D engine (``kvfsm.harness.vllm_pd``) on a seeded tiny
 Llama: a warm-up batch first (it pays the first connection: handshakes, UCX wiring), then the
 measured batch of ``--prompts`` prompts of mixed lengths (64-400 tokens), all sent to P at once,
 each sent on to D as soon as P's output is available. Per request:
@@ -32,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from kvfsm.testing.vllm_pd import PdPair, PdRequestResult, free_port, make_tiny_llama, run_baseline
+from kvfsm.harness.vllm_pd import PdPair, PdRequestResult, make_tiny_llama, run_baseline
+from kvfsm.testing import free_port
 
 Setup = dict[str, Any]
 

@@ -52,8 +52,8 @@ def bench_geometry(plan: BenchPlan) -> KvGeometry:
 def _rank(side: str, plan: BenchPlan, coalesce: bool, conn: Connection) -> None:
     """One rank process: serve the driver's steps, then report figures."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    from kvfsm._demo_rank import close_rank, open_rank
     from kvfsm.core import Consumer, CoreConfig, Identity, Mode, Producer
+    from kvfsm.harness import close_rank, open_rank
     from kvfsm.runtime import EngineLoop, KvCache
     from kvfsm.sidechannel import compat_hash
     from kvfsm.wire import WIRE_VERSION

@@ -16,7 +16,6 @@ out.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import queue
 import threading
 import time
@@ -27,12 +26,12 @@ from typing import Any, Literal, TypeVar
 
 import numpy as np
 
-from kvfsm._demo_rank import RankSpec, rank_main
-from kvfsm._nixl_demo import _await_ready, _Driver, _readable, _stop, _Tally
+from kvfsm._nixl_demo import Driver, Tally
 from kvfsm._presets import DTYPES, model_geometry
 from kvfsm._render import figures_table
-from kvfsm.core import Event, Mode, agent_name
+from kvfsm.core import Event, Mode
 from kvfsm.fabric import UCX_ERROR_HANDLING_DEFAULT, UcxErrorHandling
+from kvfsm.harness import RankProcesses, RankSpec, rank_main
 from kvfsm.runtime import CallerOutput, Engine
 from kvfsm.sidechannel import compat_hash
 from kvfsm.wire import WIRE_VERSION
@@ -118,7 +117,7 @@ def _poll1ms_rank_main(spec: RankSpec, conn: Connection) -> None:
 def run_loop(
     loop: LoopKind, mode: Mode, requests: int, *, model: str = "llama3-8b", max_blocks: int = 4,
     ucx_error_handling: UcxErrorHandling = UCX_ERROR_HANDLING_DEFAULT, seed: int = 0,
-) -> _Tally:  # fmt: skip
+) -> Tally:  # fmt: skip
     """Run `requests` requests one at a time through a P and a D rank process driven by
     `loop`; what the ranks reported (hand-off times in `handoff_ms`)."""
     geometry = model_geometry(
@@ -127,42 +126,33 @@ def run_loop(
     hash_ = compat_hash(
         wire_version=WIRE_VERSION, mode=mode, model=model, dtype=DTYPES[model], geometry=geometry
     )
-    target = rank_main if loop == "event" else _poll1ms_rank_main
-    ctx = mp.get_context("spawn")
-    pipes: dict[str, Connection] = {}
-    procs: dict[str, Any] = {}
+    main = rank_main if loop == "event" else _poll1ms_rank_main
+    ranks = RankProcesses()
     for side in ("P", "D"):
-        spec = RankSpec(
+        ranks.start(RankSpec(
             side, mode, geometry.for_rank(0), 1, _BLOCK_SIZE, hash_,
             ucx_error_handling=ucx_error_handling,
-        )  # fmt: skip
-        pipes[agent_name(side, 0)], child = ctx.Pipe()
-        procs[agent_name(side, 0)] = ctx.Process(target=target, args=(spec, child), daemon=True)
-        procs[agent_name(side, 0)].start()
-    tally = _Tally()
+        ), main)  # fmt: skip
+    tally = Tally()
     try:
-        ports = _await_ready(pipes, procs)
-        for conn in pipes.values():
-            conn.send(("peers", {agent: ("127.0.0.1", port) for agent, port in ports.items()}))
-        driver = _Driver(seed, {"P": geometry, "D": geometry}, max_blocks, pipes, tally, 0)
-        _one_at_a_time(driver, requests, pipes, procs)
+        ranks.connect(ranks.await_ready())
+        driver = Driver(seed, {"P": geometry, "D": geometry}, max_blocks, ranks, tally, 0)
+        _one_at_a_time(driver, requests, ranks)
     finally:
-        _stop(pipes, procs, tally)
+        tally.take_finals(ranks.stop())
     return tally
 
 
-def _one_at_a_time(
-    driver: _Driver, requests: int, pipes: dict[str, Connection], procs: dict[str, Any]
-) -> None:
+def _one_at_a_time(driver: Driver, requests: int, ranks: RankProcesses) -> None:
     """Admit the next request once the previous one ended on both sides."""
     deadline = time.monotonic() + max(120.0, requests * 0.5)
     while driver.done < requests:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{requests - driver.done} requests did not end in time")
         driver.admit(driver.done + 1)
-        for agent, conn in _readable(pipes, 1.0):
+        for agent, conn in ranks.readable(1.0):
             driver.take(agent, conn.recv())
-        dead = [a for a, p in procs.items() if not p.is_alive()]
+        dead = ranks.dead()
         if dead:
             raise RuntimeError(f"rank processes died: {dead}; errors: {driver.tally.errors[:5]}")
 

@@ -9,29 +9,25 @@ request on every rank, and frees the blocks once every rank of that side finishe
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import random
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import numpy as np
 
 from kvfsm._demo import DemoReport, time_in_state, worst_state
-from kvfsm._demo_rank import RankSpec, rank_main
 from kvfsm._host import require_memory
 from kvfsm._presets import DTYPES, model_geometry
-from kvfsm.core import Mode, agent_name
+from kvfsm.core import Mode
+from kvfsm.harness import RankProcesses, RankSpec
 from kvfsm.sidechannel import compat_hash
 from kvfsm.wire import WIRE_VERSION
 
-__all__ = ["run_nixl_demo"]
-
-_START_S = 120.0  # a rank process imports NIXL and starts its agent in a few seconds
+__all__ = ["Driver", "Tally", "run_nixl_demo"]
 
 
 @dataclass
@@ -46,7 +42,9 @@ class _Request:
 
 
 @dataclass
-class _Tally:
+class Tally:
+    """What the ranks reported over a run."""
+
     states: Counter[str] = field(default_factory=Counter)  # "D:done", ...
     d_outcomes: dict[str, set[str]] = field(default_factory=dict)  # key -> D ranks' states
     compared: int = 0
@@ -58,6 +56,12 @@ class _Tally:
     fabric_descriptors: int = 0
     counters: Counter[str] = field(default_factory=Counter)
     errors: list[str] = field(default_factory=list)
+
+    def take_finals(self, finals: dict[str, Any]) -> None:
+        """Add the ranks' final counters and errors (`RankProcesses.stop`'s result)."""
+        for agent, (_, counters, errors, _leftovers) in finals.items():
+            self.counters.update(counters)
+            self.errors += [f"{agent}: {e}" for e in errors]
 
 
 def run_nixl_demo(
@@ -94,71 +98,35 @@ def run_nixl_demo(
     # The demo runs as a deployment should: its ranks share a fresh secret that authenticates
     # every handshake and notification (docs/security.md).
     secret = os.urandom(32)
-    ctx = mp.get_context("spawn")
-    pipes: dict[str, Connection] = {}
-    procs: dict[str, Any] = {}
+    ranks = RankProcesses()
     for side, tp, peer_tp in (("P", p_tp, d_tp), ("D", d_tp, p_tp)):
         for rank in range(tp):
-            spec = RankSpec(
+            ranks.start(RankSpec(
                 side, mode, geometry[side].for_rank(rank), peer_tp, p_block_size, hash_,
                 secret=secret,
-            )  # fmt: skip
-            parent, child = ctx.Pipe()
-            agent = agent_name(side, rank)
-            procs[agent] = ctx.Process(target=rank_main, args=(spec, child), daemon=True)
-            procs[agent].start()
-            pipes[agent] = parent
-    tally = _Tally()
+            ))  # fmt: skip
+    tally = Tally()
     try:
-        ports = _await_ready(pipes, procs)
-        peers = {agent: ("127.0.0.1", port) for agent, port in ports.items()}
-        for conn in pipes.values():
-            conn.send(("peers", peers))
+        ranks.connect(ranks.await_ready())
         t0 = time.monotonic()
-        left = _drive(requests, seed, geometry, max_blocks, pipes, procs, tally, progress, corrupt)
+        left = _drive(requests, seed, geometry, max_blocks, ranks, tally, progress, corrupt)
         wall = time.monotonic() - t0
     finally:
-        _stop(pipes, procs, tally)
+        tally.take_finals(ranks.stop())
     return _report(mode, requests, geometry, model, tally, left, wall, time.process_time() - cpu0)
 
 
-def _readable(
-    pipes: dict[str, Connection], timeout: float, among: set[str] | None = None
-) -> list[tuple[str, Connection]]:
-    """The ranks (of `among`, default all) with a message waiting, within `timeout`."""
-    conns = [c for a, c in pipes.items() if among is None or a in among]
-    ready = wait(conns, timeout=timeout)
-    return [(a, c) for a, c in pipes.items() if c in ready]
-
-
-def _await_ready(pipes: dict[str, Connection], procs: dict[str, Any]) -> dict[str, int]:
-    ports: dict[str, int] = {}
-    deadline = time.monotonic() + _START_S
-    while len(ports) < len(pipes):
-        left = set(pipes) - set(ports)
-        for agent, conn in _readable(pipes, max(0.0, deadline - time.monotonic()), left):
-            msg = conn.recv()
-            if msg[0] != "ready":
-                raise RuntimeError(f"rank {agent} failed to start: {msg!r}")
-            ports[agent] = msg[1]
-        if time.monotonic() > deadline or any(not p.is_alive() for p in procs.values()):
-            raise RuntimeError(
-                f"rank processes did not all start: {sorted(set(pipes) - set(ports))}"
-            )
-    return ports
-
-
-class _Driver:
+class Driver:
     """Both serving engines' schedulers: allocate, admit on every rank, collect, free."""
 
     def __init__(self, seed: int, geometry: dict[str, Any], max_blocks: int,
-                 pipes: dict[str, Connection], tally: _Tally, corrupt: int) -> None:  # fmt: skip
+                 ranks: RankProcesses, tally: Tally, corrupt: int) -> None:  # fmt: skip
         self.rng = random.Random(seed)
         self.corrupt = corrupt  # the first this many requests get one wrong byte on P
-        self.pipes, self.tally = pipes, tally
+        self.processes, self.tally = ranks, tally
         self.bs = {side: geometry[side].block_size for side in ("P", "D")}
         self.max_tokens = max_blocks * max(self.bs.values())
-        self.ranks = {side: [a for a in pipes if a.startswith(side)] for side in ("P", "D")}
+        self.ranks = {side: [a for a in ranks.pipes if a.startswith(side)] for side in ("P", "D")}
         self.free = {side: list(range(geometry[side].num_blocks)) for side in ("P", "D")}
         self.live: dict[str, _Request] = {}  # by key and by each side's request id
         self.admitted = self.done = 0
@@ -179,10 +147,10 @@ class _Driver:
             arrays = {s: np.array(blocks[s], dtype=np.int32) for s in need}
             corrupt = self.admitted <= self.corrupt
             for agent in self.ranks["P"]:
-                self.pipes[agent].send(("admit_p", key, ids["P"], arrays["P"], corrupt))
+                self.processes.send(agent, ("admit_p", key, ids["P"], arrays["P"], corrupt))
             for agent in self.ranks["D"]:
                 msg = ("admit_d", key, ids["D"], arrays["D"], ids["P"], tokens)
-                self.pipes[agent].send(msg)
+                self.processes.send(agent, msg)
 
     def _take_block(self, side: str) -> int:
         free = self.free[side]
@@ -204,24 +172,24 @@ class _Driver:
 
 
 def _drive(requests: int, seed: int, geometry: dict[str, Any], max_blocks: int,
-           pipes: dict[str, Connection], procs: dict[str, Any], tally: _Tally,
+           ranks: RankProcesses, tally: Tally,
            progress: Callable[[int], None] | None, corrupt: int) -> int:  # fmt: skip
     """Admit and collect until every request ended on every rank; returns how many did not."""
-    driver = _Driver(seed, geometry, max_blocks, pipes, tally, corrupt)
+    driver = Driver(seed, geometry, max_blocks, ranks, tally, corrupt)
     deadline = time.monotonic() + max(120.0, requests * 0.5)
     while driver.done < requests and time.monotonic() < deadline:
         driver.admit(requests)
-        for agent, conn in _readable(pipes, 1.0):
+        for agent, conn in ranks.readable(1.0):
             if driver.take(agent, conn.recv()) and progress is not None:
                 progress(1)
-        dead = [a for a, p in procs.items() if not p.is_alive()]
+        dead = ranks.dead()
         if dead:
             raise RuntimeError(f"rank processes died: {dead}; errors: {tally.errors[:5]}")
     return requests - driver.done
 
 
 def _collect(
-    msg: tuple[Any, ...], agent: str, live: dict[str, _Request], tally: _Tally
+    msg: tuple[Any, ...], agent: str, live: dict[str, _Request], tally: Tally
 ) -> _Request | None:
     """Take one message from a rank; return its request if the message ended it on that rank."""
     kind = msg[0]
@@ -251,32 +219,7 @@ def _collect(
     return None
 
 
-def _stop(pipes: dict[str, Connection], procs: dict[str, Any], tally: _Tally) -> None:
-    for conn in pipes.values():
-        try:
-            conn.send(("stop",))
-        except OSError:
-            continue
-    for agent, conn in pipes.items():
-        deadline = time.monotonic() + 30
-        try:
-            while (time.monotonic() < deadline and procs[agent].is_alive()) or conn.poll():
-                if not conn.poll(0.1):
-                    continue
-                msg = conn.recv()
-                if msg[0] == "counters":
-                    tally.counters.update(msg[1])
-                    tally.errors += [f"{agent}: {e}" for e in msg[2]]
-                    break
-        except (EOFError, OSError):  # the rank has died (a reset pipe when it died unread)
-            continue
-    for proc in procs.values():
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
-
-
-def _report(mode: Mode, requests: int, geometry: dict[str, Any], model: str, tally: _Tally,
+def _report(mode: Mode, requests: int, geometry: dict[str, Any], model: str, tally: Tally,
             left: int, wall: float, cpu_s: float) -> DemoReport:  # fmt: skip
     outcomes = Counter(worst_state(states) for states in tally.d_outcomes.values())
     violations = [f"{left} requests never ended"] if left else []

@@ -19,25 +19,29 @@ Namespaces need root and iproute2: without them the tests fail saying which is m
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import multiprocessing as mp
-import os
-import signal
 import time
 from collections.abc import Callable, Iterator
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from typing import Any
 
 import numpy as np
 import pytest
 
-from kvfsm._demo_rank import RankSpec, rank_main
 from kvfsm._presets import DTYPES, model_geometry
 from kvfsm.core import CoreConfig, Mode
 from kvfsm.fabric import tcp_late_delivery_s
+from kvfsm.harness import (
+    Host,
+    NetnsError,
+    NetnsPair,
+    RankProcesses,
+    RankSpec,
+    netns_main,
+    rank_main,
+    ucx_env,
+)
 from kvfsm.sidechannel import compat_hash
-from kvfsm.testing._netns import Host, NetnsError, NetnsPair, netns_main, ucx_env
 from kvfsm.wire import WIRE_VERSION
 
 _CONFIG = CoreConfig(
@@ -101,8 +105,8 @@ class _Ranks:
         self.net, self.mode = net, mode
         self.hash = compat_hash(wire_version=WIRE_VERSION, mode=mode, model="tiny",
                                 dtype=DTYPES["tiny"], geometry=_GEOMETRY)  # fmt: skip
-        self.pipes: dict[str, Connection] = {}
-        self.procs: dict[str, Any] = {}
+        self.processes = RankProcesses()
+        self.pipes = self.processes.pipes
         self.ports: dict[str, int] = {}
         self.ready: set[str] = set()
         self.admitted: dict[str, list[int]] = {}  # key -> block ids (the same on both sides)
@@ -119,14 +123,9 @@ class _Ranks:
         spec = RankSpec(side, self.mode, _GEOMETRY.for_rank(0), 1, 16, self.hash,
                         config=_CONFIG, host=host.address, port=port,
                         handshake_timeout_s=_HANG_S)  # fmt: skip
-        agent = _AGENTS[side]
-        self.pipes[agent], child = mp.get_context("spawn").Pipe()
-        self.procs[agent] = mp.get_context("spawn").Process(
-            target=netns_main, args=(host.netns, ucx_env(host), rank_main, spec, child),
-            daemon=True,
-        )  # fmt: skip
-        self.procs[agent].start()
-        child.close()
+        agent = self.processes.start(
+            spec, functools.partial(netns_main, host.netns, ucx_env(host), rank_main)
+        )
         self.ready.discard(agent)
 
     def connect(self) -> None:
@@ -194,37 +193,23 @@ class _Ranks:
 
     def kill(self, side: str) -> None:
         """SIGKILL `side`'s rank process (and forget its pipe)."""
-        agent = _AGENTS[side]
-        os.kill(self.procs[agent].pid, signal.SIGKILL)
-        self.procs[agent].join(_HANG_S)
-        self.pipes.pop(agent).close()
+        self.processes.kill(_AGENTS[side], _HANG_S)
 
     def state(self, side: str, key: str) -> str:
         return self.finished[f"{side.lower()}-{key}"][0]
 
     def stop(self) -> dict[str, dict[str, int]]:
         """Stop every rank; what each agent still held once its engine had closed."""
-        for agent, conn in self.pipes.items():
-            self.replies[agent] = []
-            conn.send(("stop",))
-        stopped = lambda: all(self.replies[agent] for agent in self.pipes)  # noqa: E731
-        assert self.pump(stopped, _HANG_S), "ranks did not stop"
-        return {agent: self.replies[agent][0][3] for agent in self.pipes}
+        agents = set(self.pipes)
+        finals = self.processes.stop(self._take)
+        assert set(finals) == agents, f"ranks did not stop: {agents - set(finals)}"
+        return {agent: msg[3] for agent, msg in finals.items()}
 
     def __enter__(self) -> _Ranks:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for conn in self.pipes.values():  # after a failed check: ranks not stopped yet
-            with contextlib.suppress(OSError):
-                conn.send(("stop",))
-        for proc in self.procs.values():  # a stopped rank exits within a second; kill a hung one
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        for conn in self.pipes.values():
-            conn.close()
+        self.processes.stop()  # after a failed check: ranks not stopped yet
 
 
 class _Run:

@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from kvfsm._demo_rank import Rank, open_rank
 from kvfsm.core import (
     Admit,
     Consumer,
@@ -26,6 +25,7 @@ from kvfsm.core import (
     ReportReceived,
 )
 from kvfsm.fabric import NixlFabric
+from kvfsm.harness import Rank, open_rank
 from kvfsm.layout import KvGeometry
 from kvfsm.runtime import CallerOutput, KvCache
 from kvfsm.testing import FAST_CONFIG, check_request, request_seed, write_request

@@ -5,9 +5,6 @@ peer process was killed still ends, failed, by kvfsm's own deadlines."""
 from __future__ import annotations
 
 import itertools
-import multiprocessing as mp
-import os
-import signal
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
@@ -16,8 +13,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvfsm._demo_rank import RankSpec, rank_main
-from kvfsm._nixl_demo import _await_ready
 from kvfsm._presets import DTYPES, model_geometry
 from kvfsm.core import CoreConfig
 from kvfsm.fabric import (
@@ -26,6 +21,7 @@ from kvfsm.fabric import (
     NixlFabric,
     UcxErrorHandling,
 )
+from kvfsm.harness import RankProcesses, RankSpec
 from kvfsm.sidechannel import compat_hash
 from kvfsm.wire import WIRE_VERSION
 
@@ -130,24 +126,17 @@ def test_the_connector_setting_is_checked() -> None:
 # --- a killed peer, with real rank processes -----------------------------------------------------
 
 
-def _spawn(mode: UcxErrorHandling) -> tuple[dict[str, Connection], dict[str, Any]]:
-    """A P and a D rank process of the NIXL demo, pull mode, short deadlines, connected."""
+def _spawn(mode: UcxErrorHandling) -> RankProcesses:
+    """A P and a D rank process, pull mode, short deadlines, connected."""
     g = model_geometry("tiny", tp_size=1, block_size=16, memory_mib=4)
     chash = compat_hash(wire_version=WIRE_VERSION, mode="pull", model="tiny",
                         dtype=DTYPES["tiny"], geometry=g)  # fmt: skip
-    ctx = mp.get_context("spawn")
-    pipes: dict[str, Connection] = {}
-    procs: dict[str, Any] = {}
+    ranks = RankProcesses()
     for side in ("P", "D"):
-        spec = RankSpec(side, "pull", g.for_rank(0), 1, 16, chash, ucx_error_handling=mode,
-                        config=_SMALL)  # fmt: skip
-        pipes[f"{side}#0"], child = ctx.Pipe()
-        procs[f"{side}#0"] = ctx.Process(target=rank_main, args=(spec, child), daemon=True)
-        procs[f"{side}#0"].start()
-    ports = _await_ready(pipes, procs)
-    for conn in pipes.values():
-        conn.send(("peers", {agent: ("127.0.0.1", port) for agent, port in ports.items()}))
-    return pipes, procs
+        ranks.start(RankSpec(side, "pull", g.for_rank(0), 1, 16, chash, ucx_error_handling=mode,
+                             config=_SMALL))  # fmt: skip
+    ranks.connect(ranks.await_ready())
+    return ranks
 
 
 def _until(conn: Connection, kind: str) -> tuple[Any, ...]:
@@ -166,16 +155,15 @@ def test_a_killed_peer_fails_the_request_in_either_mode(mode: UcxErrorHandling) 
     """With "none", nothing in UCX tells D that P died (its notifications to P still succeed):
     D's watchdog ends the request; with "peer", UCX may tell D first. Either way D reports the
     load failed, with its blocks."""
-    pipes, procs = _spawn(mode)
-    p, d = pipes["P#0"], pipes["D#0"]
+    ranks = _spawn(mode)
+    p, d = ranks.pipes["P#0"], ranks.pipes["D#0"]
     try:
         blocks = np.array([1, 2], dtype=np.int32)
         p.send(("admit_p", "k1", "p1", blocks, False))
         d.send(("admit_d", "k1", "d1", blocks, "p1", 32))
         received = _until(d, "received")
         assert received[1] == "d1" and received[2] > 0 and received[3] == 0  # bytes checked
-        os.kill(procs["P#0"].pid, signal.SIGKILL)
-        procs["P#0"].join(_BOUND_S)
+        ranks.kill("P#0", _BOUND_S)
         d.send(("admit_d", "k2", "d2", np.array([3, 4], dtype=np.int32), "p2", 32))
         assert _until(d, "failed")[1] == "d2"
         finished = _until(d, "finished")
@@ -184,12 +172,4 @@ def test_a_killed_peer_fails_the_request_in_either_mode(mode: UcxErrorHandling) 
         # "none": only D's watchdog can end it; "peer": UCX's error may end it first.
         assert finished[2] == "expired" if mode == "none" else finished[2] in ("failed", "expired")
     finally:
-        for conn in pipes.values():
-            try:
-                conn.send(("stop",))
-            except OSError:
-                continue
-        for proc in procs.values():
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
+        ranks.stop()

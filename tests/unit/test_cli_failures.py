@@ -11,8 +11,8 @@ import pytest
 
 from kvfsm._bench_raw import recv_bounded
 from kvfsm._host import available_memory, require_memory
-from kvfsm._nixl_demo import _stop, _Tally
 from kvfsm.cli import main
+from kvfsm.harness import RankProcesses
 
 
 def test_the_host_reports_its_available_memory() -> None:
@@ -75,6 +75,7 @@ def test_the_demo_stops_cleanly_around_a_rank_that_died_unread() -> None:
     proc = ctx.Process(target=child.poll, args=(None,), name="P#0")
     proc.start()
     child.close()  # only the rank holds its end: its exit resets the pipe
-    tally = _Tally()
-    _stop({"P#0": conn}, {"P#0": proc}, tally)
-    assert proc.exitcode == 0 and not tally.counters
+    ranks = RankProcesses()
+    ranks.pipes["P#0"], ranks.procs["P#0"] = conn, proc
+    assert ranks.stop() == {}
+    assert proc.exitcode == 0 and not ranks.pipes

@@ -6,7 +6,7 @@ tokens must equal one connector-less engine's, and D's ``vllm:prompt_tokens_by_s
 must show the prompts' KV arrived through the connector. vLLM's own NixlConnector anchors the
 harness (and the benchmark); a connector that claims loads it never made must be caught.
 
-vLLM runs only in child processes (``kvfsm.testing.vllm_pd``): this process never imports it.
+vLLM runs only in child processes (``kvfsm.harness.vllm_pd``): this process never imports it.
 Each pair takes about a minute on two cores; a slow first NIXL connection is tolerated, and
 nothing here asserts a timing.
 """
@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from kvfsm.testing.vllm_pd import PdResult, free_port, make_tiny_llama, run_baseline, run_pd
+from kvfsm.harness.vllm_pd import PdResult, make_tiny_llama, run_baseline, run_pd
+from kvfsm.testing import free_port
 
 PROMPT_LENGTHS = (20, 32, 33, 64, 100)
 MAX_TOKENS = 8

@@ -1,6 +1,6 @@
 """One vLLM engine in its own process: the child's side, and the parent's handle on it.
 
-A parent (``kvfsm.testing.vllm_pd``) starts :func:`engine_main` in a ``spawn`` child with an
+A parent (``kvfsm.harness.vllm_pd``) starts :func:`engine_main` in a ``spawn`` child with an
 :class:`EngineSpec`. The child becomes a process-group leader (so the parent can kill the engine
 and the EngineCore process vLLM forks under it in one call), points its stdout and stderr at a log
 file, sets its environment and only then imports vLLM. It serves requests that arrive over a

@@ -1,6 +1,6 @@
 """A two-engine vLLM harness: a prefill engine (P) and a decode engine (D) joined by a KV connector.
 
-Each engine runs in its own ``spawn`` child process (``kvfsm.testing._vllm_proc``); this process
+Each engine runs in its own ``spawn`` child process (``kvfsm.harness._vllm_proc``); this process
 plays vLLM's toy proxy. Every prompt goes to P with ``max_tokens=1`` and
 :data:`P_REQUEST_PARAMS` as its ``kv_transfer_params``; as soon as P's output for a request is
 available, the request goes on to D with the ``kv_transfer_params`` P returned and the real
@@ -37,8 +37,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from kvfsm.testing._ports import free_port
-from kvfsm.testing._vllm_proc import (
+from kvfsm.harness._vllm_proc import (
     PROMPT_SOURCES,
     EngineError,
     EngineProcess,
@@ -55,7 +54,6 @@ __all__ = [
     "PdPair",
     "PdRequestResult",
     "PdResult",
-    "free_port",
     "make_tiny_llama",
     "run_baseline",
     "run_pd",

@@ -1,4 +1,5 @@
-"""One engine rank of `kvfsm demo --fabric nixl`, in a process of its own.
+"""One engine rank in a process of its own, on real NIXL and ZMQ (the demo's, the benchmarks' and
+the tests' ranks).
 
 It owns a NIXL agent, its KV cache, a handshake listener and an `EngineLoop`; its main thread
 takes the driver's commands from a pipe (peers' addresses, admissions, stop, and for tests
