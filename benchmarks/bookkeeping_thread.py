@@ -37,7 +37,7 @@ from typing import Any
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # inherited by the spawned processes
 
-from kvfsm._bench_raw import BenchPlan, RawInitiator, plan_requests, run_pair
+from kvfsm.cli.bench._raw import BenchPlan, RawInitiator, plan_requests, run_pair
 
 _VARIANTS: tuple[tuple[str, float], ...] = (
     ("plain", 0.005),

@@ -26,7 +26,7 @@ from itertools import count
 
 import numpy as np
 
-from kvfsm._bench_control import core_wave, engine_wave, make_engines
+from kvfsm.cli.bench._control import core_wave, engine_wave, make_engines
 from kvfsm.core import Consumer, CoreConfig, Identity, Producer
 from kvfsm.layout import KvGeometry
 from kvfsm.runtime._routes import plan_route

@@ -1,7 +1,7 @@
 """CPU per request lifecycle, P and D together, with N requests in flight (a benchmark, not a test).
 
 Two measurements, each in waves of N requests admitted at once and run to `done` (see
-kvfsm/_bench_control.py): the sans-I/O core alone, and two engines on `SimFabric`. Prints a table
+kvfsm/cli/bench/_control.py): the sans-I/O core alone, and two engines on `SimFabric`. Prints a table
 (and `--json`); figures are CPU microseconds per lifecycle, best of `--repeat`, and the bytes the
 two cores hold per request while N wait mid-transfer (matched, posted, not completed).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvfsm._bench_control import bench, memory_per_request
+from kvfsm.cli.bench._control import bench, memory_per_request
 
 
 def main() -> None:

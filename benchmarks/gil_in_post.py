@@ -81,7 +81,7 @@ def _posts(fabric: Any, xfer: tuple[Any, ...], n: int, busy: _Busy | None) -> di
 
 def measure(op: Literal["READ", "WRITE"], mib: int, posts: int) -> list[dict[str, Any]]:
     """One row per setting: alone, then beside a busy thread at each switch interval."""
-    from kvfsm._bench_raw import BenchPlan, serve_target
+    from kvfsm.cli.bench._raw import BenchPlan, serve_target
     from kvfsm.fabric import NixlFabric
 
     nbytes = mib << 20

@@ -17,8 +17,8 @@ import argparse
 import json
 from collections import Counter
 
-from kvfsm._bench_engine import run_engine_variant
-from kvfsm._bench_raw import BenchPlan, plan_requests
+from kvfsm.cli.bench._engine import run_engine_variant
+from kvfsm.cli.bench._raw import BenchPlan, plan_requests
 
 _BLOCK_BYTES, _BLOCKS = 16384, 16
 

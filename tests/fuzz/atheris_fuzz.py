@@ -25,6 +25,7 @@ from pathlib import Path
 import atheris
 
 with atheris.instrument_imports(include=["kvfsm"]):
+    from kvfsm.cli.scenario import ScenarioError, load_scenario
     from kvfsm.layout import KvGeometry
     from kvfsm.sidechannel import (
         HandshakeAccepted,
@@ -36,7 +37,6 @@ with atheris.instrument_imports(include=["kvfsm"]):
         decode_request,
     )
     from kvfsm.sidechannel import encode as encode_frame
-    from kvfsm.testing import ScenarioError, load_scenario
     from kvfsm.wire import (
         Cancel,
         Grant,

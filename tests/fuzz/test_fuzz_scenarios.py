@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import leaves_from, mutated_trees, toml_dumps, toml_leaves
 
+from kvfsm.cli.scenario import Scenario, ScenarioError, load_scenario
+from kvfsm.cli.scenario._file import core_config
 from kvfsm.fabric import SimFaults
-from kvfsm.testing import Scenario, ScenarioError, load_scenario
-from kvfsm.testing._scenario_file import core_config
 
 LIBRARY = sorted((Path(__file__).parents[1] / "scenarios").glob("*.toml"))
 TEXTS = [path.read_bytes() for path in LIBRARY]

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvfsm._presets import DTYPES, model_geometry
+from kvfsm.cli._presets import DTYPES, model_geometry
 from kvfsm.core import CoreConfig, Mode
 from kvfsm.fabric import tcp_late_delivery_s
 from kvfsm.harness import (

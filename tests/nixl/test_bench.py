@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from kvfsm._bench_raw import BenchPlan, buffer_of, check_sink, churned_free_queue, plan_requests
 from kvfsm.cli import main
+from kvfsm.cli.bench._raw import BenchPlan, buffer_of, check_sink, churned_free_queue, plan_requests
 
 _SMALL = ["--block-kib", "4", "--blocks", "64", "--regions", "2", "--requests", "8"]
 _SMALL += ["--blocks-per-request", "4", "--control-in-flight", "5", "50", "--control-total", "100"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfsm._nixl_demo import run_nixl_demo
+from kvfsm.cli.demo._nixl import run_nixl_demo
 from kvfsm.core import Mode
 
 # (P TP, D TP, model, P block size, D block size)

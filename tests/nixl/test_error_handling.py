@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvfsm._presets import DTYPES, model_geometry
+from kvfsm.cli._presets import DTYPES, model_geometry
 from kvfsm.core import CoreConfig
 from kvfsm.fabric import (
     UCX_ERROR_HANDLING_DEFAULT,

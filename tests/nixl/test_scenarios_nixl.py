@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfsm.testing import load_scenario, run_scenario
+from kvfsm.cli.scenario import load_scenario, run_scenario
 
 LIBRARY = Path(__file__).parents[1] / "scenarios"
 ON_NIXL = [p for p in sorted(LIBRARY.glob("*.toml")) if "nixl" in load_scenario(p).fabrics]

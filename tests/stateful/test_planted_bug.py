@@ -13,7 +13,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from kvfsm.core import Consumer, Side, TransferTally
 from kvfsm.fabric import SimFaults
-from kvfsm.testing import machine_for
+from kvfsm.testing.stateful import machine_for
 
 # Slow transfers and unevenly delayed notifications, so two D ranks' READs (or two P ranks' WRITEs)
 # of one request do not end at the same instant.

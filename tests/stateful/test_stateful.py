@@ -8,13 +8,8 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from kvfsm.core import Mode
 from kvfsm.fabric import SimFaults
-from kvfsm.testing import (
-    SIM_MLA_GEOMETRY,
-    LifecycleMachine,
-    machine_for,
-    run_tour,
-    untaken_transitions,
-)
+from kvfsm.testing import SIM_MLA_GEOMETRY, run_tour, untaken_transitions
+from kvfsm.testing.stateful import LifecycleMachine, machine_for
 
 # Transfers that stay in flight a while, so aborts, cancels and deaths land mid-transfer.
 _SLOW = SimFaults(transfer_latency=0.25)

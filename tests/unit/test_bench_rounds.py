@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-import kvfsm._bench as bench
-from kvfsm._bench_raw import BenchPlan
+import kvfsm.cli.bench._run as bench
+from kvfsm.cli.bench._raw import BenchPlan
 
 # Wall seconds of each variant's run, round by round.
 _WALLS = {"raw": [1.0, 4.0, 2.0], "engine": [2.0, 2.5, 8.0]}

@@ -15,8 +15,8 @@ import msgspec
 import pytest
 
 from kvfsm.cli import main
+from kvfsm.cli.check import MAX_DEPTH, run_check
 from kvfsm.core import Consumer
-from kvfsm.testing import MAX_DEPTH, run_check
 
 # Measured at the default bound (2 requests, 2 faults, depth 9): 65,000-71,000 states per mode.
 # Well below, so the core may grow or shrink a little; far above what a broken explorer (an
@@ -96,8 +96,8 @@ _TWO_ABORTS = (
     ("abort", "r2", "P"),
 )
 _DIGEST = """
-from kvfsm.testing._check import _Run
-from kvfsm.testing._check_state import fingerprint
+from kvfsm.cli.check._replay import _Run
+from kvfsm.cli.check._state import fingerprint
 run = _Run("pull", {{}}, set())
 for action in {path!r}:
     run.apply(action)
@@ -109,8 +109,8 @@ def test_a_state_has_one_digest_in_every_process() -> None:
     """The search keeps digests, so a state's fingerprint must not depend on the process: it
     holds only plain values in a canonical order (no sets), and processes with other hash seeds
     (spawned workers, another run) compute the same digest."""
-    from kvfsm.testing._check import _Run
-    from kvfsm.testing._check_state import fingerprint, state_print
+    from kvfsm.cli.check._replay import _Run
+    from kvfsm.cli.check._state import fingerprint, state_print
 
     run = _Run("pull", {}, set())
     for action in _TWO_ABORTS:

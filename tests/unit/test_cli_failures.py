@@ -9,9 +9,9 @@ import os
 
 import pytest
 
-from kvfsm._bench_raw import recv_bounded
-from kvfsm._host import available_memory, require_memory
 from kvfsm.cli import main
+from kvfsm.cli._host import available_memory, require_memory
+from kvfsm.cli.bench._raw import recv_bounded
 from kvfsm.harness import RankProcesses
 
 

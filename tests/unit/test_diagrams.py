@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from kvfsm._diagrams import check_diagrams, generate, render_dot, render_mermaid, write_diagrams
+from kvfsm.cli.diagrams._generate import (
+    check_diagrams,
+    generate,
+    render_dot,
+    render_mermaid,
+    write_diagrams,
+)
 from kvfsm.lifecycle import (
     MODEL_NAMES,
     STAY,

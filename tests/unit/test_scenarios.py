@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from kvfsm.cli import main
+from kvfsm.cli.scenario import ScenarioError, load_scenario, run_scenario
+from kvfsm.cli.scenario._file import MAX_SCENARIO_BYTES
 from kvfsm.core import Consumer, ReportReceived, Side
 from kvfsm.core._records import Request
-from kvfsm.testing import ScenarioError, load_scenario, run_scenario
-from kvfsm.testing._scenario_file import MAX_SCENARIO_BYTES
 
 LIBRARY = Path(__file__).parents[1] / "scenarios"
 FILES = sorted(LIBRARY.glob("*.toml"))

@@ -15,10 +15,7 @@ from typing import Literal
 
 import msgspec
 
-from kvfsm.core import Finished
-from kvfsm.fabric import SimFaults
-from kvfsm.testing._cluster import SIM_GEOMETRY, SIM_MLA_GEOMETRY, SimCluster
-from kvfsm.testing._scenario_file import (
+from kvfsm.cli.scenario._file import (
     AbortStep,
     AdmitStep,
     AdvanceStep,
@@ -31,6 +28,9 @@ from kvfsm.testing._scenario_file import (
     UntilStep,
     core_config,
 )
+from kvfsm.core import Finished
+from kvfsm.fabric import SimFaults
+from kvfsm.testing._cluster import SIM_GEOMETRY, SIM_MLA_GEOMETRY, SimCluster
 
 __all__ = ["RequestOutcome", "ScenarioReport", "TraceEntry", "run_scenario"]
 

@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from kvfsm._demo import DemoReport, time_in_state, worst_state
-from kvfsm._host import require_memory
-from kvfsm._presets import DTYPES, model_geometry
+from kvfsm.cli._host import require_memory
+from kvfsm.cli._presets import DTYPES, model_geometry
+from kvfsm.cli.demo._report import DemoReport, time_in_state, worst_state
 from kvfsm.core import Mode
 from kvfsm.harness import RankProcesses, RankSpec
 from kvfsm.sidechannel import compat_hash

@@ -12,14 +12,14 @@ under way, kill or silence an agent. A fault hits one pending event, so each can
 The fabric has UCX-over-TCP's quirk throughout: a transfer released while it moves still lands
 `LATE_S` later unless an end is dead or silenced by then.
 
-Search (`kvfsm.testing._check_search`): breadth first, stateless with replay: a state is its
+Search (`kvfsm.cli.check._search`): breadth first, stateless with replay: a state is its
 action sequence, replayed on a fresh deterministic cluster (deep copies are unsafe: engines hold
 closures over their cluster), in this process or in worker processes. Every replay is checked
 (ledger, conformance); a path ends when nothing is enabled or at `max_depth`, and then gets the
 stateful suite's end-of-run checks (every prefill finished, time run until quiet, quiescence,
 shut down, again). The first trace of each distinct problem is a shortest one.
 
-States are deduplicated by a fingerprint (`kvfsm.testing._check_state`: what it keeps and what
+States are deduplicated by a fingerprint (`kvfsm.cli.check._state`: what it keeps and what
 it leaves out).
 """
 
@@ -31,9 +31,7 @@ from typing import Any
 
 import msgspec
 
-from kvfsm.core import Mode, Step
-from kvfsm.fabric import SimFaults
-from kvfsm.testing._check_state import (
+from kvfsm.cli.check._state import (
     Namer,
     agent_of,
     flight_of,
@@ -42,6 +40,8 @@ from kvfsm.testing._check_state import (
     message_print,
     pending_events,
 )
+from kvfsm.core import Mode, Step
+from kvfsm.fabric import SimFaults
 from kvfsm.testing._cluster import FAST_CONFIG, SimCluster
 
 __all__ = ["DELAY_S", "LATE_S", "MAX_DEPTH", "CheckReport", "CheckViolation"]

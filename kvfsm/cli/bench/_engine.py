@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvfsm._bench_raw import BenchPlan, buffer_of, check_sink, recv_bounded
+from kvfsm.cli.bench._raw import BenchPlan, buffer_of, check_sink, recv_bounded
 from kvfsm.core import ReportFailed, ReportReceived
 from kvfsm.layout import KvGeometry
 from kvfsm.runtime import RequestTrace

@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from kvfsm._bench_control import bench as control_bench
-from kvfsm._bench_engine import run_engine_variant
-from kvfsm._bench_raw import BenchPlan, gbps, memcpy_gbps, plan_requests, run_variant
-from kvfsm._host import require_memory
+from kvfsm.cli._host import require_memory
+from kvfsm.cli.bench._control import bench as control_bench
+from kvfsm.cli.bench._engine import run_engine_variant
+from kvfsm.cli.bench._raw import BenchPlan, gbps, memcpy_gbps, plan_requests, run_variant
 from kvfsm.core import Mode
 from kvfsm.fabric import UcxErrorHandling
 

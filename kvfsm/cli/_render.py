@@ -12,8 +12,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from kvfsm._demo import DemoReport
-    from kvfsm.testing._scenario import ScenarioReport
+    from kvfsm.cli.demo._report import DemoReport
+    from kvfsm.cli.scenario._run import ScenarioReport
 
 __all__ = ["bench_table", "demo_table", "figures_table", "progress_bar", "scenario_table"]
 

@@ -1,4 +1,4 @@
-"""`python -m kvfsm._bench_notify`: UCX's peer-failure detection against shared-memory
+"""`.venv/bin/python benchmarks/ucx_notify.py`: UCX's peer-failure detection against shared-memory
 notifications, measured between two real NIXL agents in processes of their own.
 
 NIXL's UCX backend takes `ucx_error_handling_mode`: "peer" (UCX detects a failed peer; on this
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvfsm._render import figures_table
+from kvfsm.cli._render import figures_table
 from kvfsm.fabric import UCX_ERROR_HANDLING_MODES, UcxErrorHandling
 
 __all__ = ["XFER_BYTES", "bench_notifications", "measure_mode"]
@@ -316,7 +316,7 @@ def _detected(killed_at: float | None, how: str, posted: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     """Print the figures (as JSON with `--json`)."""
-    parser = argparse.ArgumentParser(prog="python -m kvfsm._bench_notify", description=__doc__)
+    parser = argparse.ArgumentParser(prog="benchmarks/ucx_notify.py", description=__doc__)
     parser.add_argument("--samples", type=int, default=2000)
     parser.add_argument("--kill-timeout-s", type=float, default=5.0)
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")

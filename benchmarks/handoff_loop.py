@@ -1,4 +1,4 @@
-"""`python -m kvfsm._bench_handoff`: hand-off latency with kvfsm's event-driven `EngineLoop`
+"""`.venv/bin/python benchmarks/handoff_loop.py`: hand-off latency with kvfsm's event-driven `EngineLoop`
 against a fixed 1 ms polling loop around the same engine.
 
 vLLM's NIXL connector moves KV on a writer thread that, while it has work, wakes every 1 ms,
@@ -26,9 +26,9 @@ from typing import Any, Literal, TypeVar
 
 import numpy as np
 
-from kvfsm._nixl_demo import Driver, Tally
-from kvfsm._presets import DTYPES, model_geometry
-from kvfsm._render import figures_table
+from kvfsm.cli._presets import DTYPES, model_geometry
+from kvfsm.cli._render import figures_table
+from kvfsm.cli.demo._nixl import Driver, Tally
 from kvfsm.core import Event, Mode
 from kvfsm.fabric import UCX_ERROR_HANDLING_DEFAULT, UcxErrorHandling
 from kvfsm.harness import RankProcesses, RankSpec, rank_main
@@ -195,7 +195,7 @@ def _round(x: Any) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     """Print the figures (as JSON with `--json`)."""
-    parser = argparse.ArgumentParser(prog="python -m kvfsm._bench_handoff", description=__doc__)
+    parser = argparse.ArgumentParser(prog="benchmarks/handoff_loop.py", description=__doc__)
     parser.add_argument("--mode", choices=["pull", "push"], default="pull")
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--model", default="llama3-8b")

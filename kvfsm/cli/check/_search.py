@@ -22,9 +22,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-from kvfsm.core import Mode
-from kvfsm.lifecycle import MODEL_NAMES, load
-from kvfsm.testing._check import (
+from kvfsm.cli.check._replay import (
     _BLOCKS,
     _END,
     MAX_DEPTH,
@@ -36,7 +34,9 @@ from kvfsm.testing._check import (
     _end_of_run,
     _Run,
 )
-from kvfsm.testing._check_state import Namer, fingerprint
+from kvfsm.cli.check._state import Namer, fingerprint
+from kvfsm.core import Mode
+from kvfsm.lifecycle import MODEL_NAMES, load
 
 __all__ = ["default_workers", "run_check"]
 
