@@ -6,27 +6,27 @@ cluster is `kvfsm.testing.stateful` (it needs hypothesis, which nothing else her
 
 from kvfsm.testing._cluster import (
     FAST_CONFIG,
-    SIM_GEOMETRY,
-    SIM_MLA_GEOMETRY,
+    SMALL_GEOMETRY,
+    SMALL_MLA_GEOMETRY,
+    Cluster,
     PairedRequest,
-    SimCluster,
 )
 from kvfsm.testing._invariants import COVERAGE, Conformance, Ledger, untaken_transitions
 from kvfsm.testing._pattern import PatternCheck, check_request, request_seed, write_request
 from kvfsm.testing._ports import free_port
-from kvfsm.testing._tour import SCENARIOS, run_tour
+from kvfsm.testing._tour import INTERLEAVINGS, run_tour
 
 __all__ = [
     "COVERAGE",
     "FAST_CONFIG",
-    "SCENARIOS",
-    "SIM_GEOMETRY",
-    "SIM_MLA_GEOMETRY",
+    "INTERLEAVINGS",
+    "SMALL_GEOMETRY",
+    "SMALL_MLA_GEOMETRY",
+    "Cluster",
     "Conformance",
     "Ledger",
     "PairedRequest",
     "PatternCheck",
-    "SimCluster",
     "check_request",
     "free_port",
     "request_seed",

@@ -1,6 +1,6 @@
-"""A simulated P/D deployment for tests, the demo and benchmarks: engines on a `SimNetwork`, block
-allocators standing in for the serving engines' schedulers, and the six safety properties checked as
-the engines report what they do."""
+"""A P/D deployment in one process for tests, the demo and benchmarks: engines on the simulated
+fabric (a `SimNetwork`) or on real NIXL agents, block allocators standing in for the serving
+engines' schedulers, and the six safety properties checked as the engines report what they do."""
 
 from __future__ import annotations
 
@@ -46,13 +46,13 @@ from kvfsm.testing._invariants import Conformance, Ledger
 from kvfsm.testing._pattern import request_seed, write_request
 from kvfsm.wire import SharedSecret
 
-__all__ = ["FAST_CONFIG", "SIM_GEOMETRY", "SIM_MLA_GEOMETRY", "PairedRequest", "SimCluster"]
+__all__ = ["FAST_CONFIG", "SMALL_GEOMETRY", "SMALL_MLA_GEOMETRY", "Cluster", "PairedRequest"]
 
-SIM_GEOMETRY = KvGeometry(
+SMALL_GEOMETRY = KvGeometry(
     num_layers=2, num_kv_heads=4, head_dim=4, dtype_bytes=2, block_size=4, num_blocks=64
 )
 """A small model: every TP size up to 4 splits its heads, and a block is 512 bytes on TP 1."""
-SIM_MLA_GEOMETRY = KvGeometry(
+SMALL_MLA_GEOMETRY = KvGeometry(
     num_layers=2, num_kv_heads=1, head_dim=16, dtype_bytes=2, block_size=4, num_blocks=64, mla=True
 )
 """A small model with MLA: one latent KV replicated on every TP rank, 256 bytes per block."""
@@ -98,8 +98,9 @@ class PairedRequest:
     final: dict[str, str] = field(default_factory=dict)  # agent -> terminal state
 
 
-class SimCluster:
-    """P and D engines (any TP sizes) on one simulated fabric, with the safety properties checked."""
+class Cluster:
+    """P and D engines (any TP sizes) in this process, on the simulated fabric (the default) or
+    real NIXL agents, with the safety properties checked."""
 
     def __init__(
         self,
@@ -109,7 +110,7 @@ class SimCluster:
         faults: SimFaults | None = None,
         config: CoreConfig = FAST_CONFIG,
         num_blocks: int = 64,
-        geometry: KvGeometry = SIM_GEOMETRY,
+        geometry: KvGeometry = SMALL_GEOMETRY,
         d_block_size: int | None = None,
         p_tp: int = 1,
         d_tp: int = 1,

@@ -1,4 +1,4 @@
-"""The six safety properties of DESIGN.md, checked on a `SimCluster` as its engines report.
+"""The six safety properties of DESIGN.md, checked on a `Cluster` as its engines report.
 
 1 terminal, 2 no early free, 3 no late write, 4 no silent corruption, 5 no leak: `Ledger`.
 6 conformance: `Conformance` replays every step the core took through the `transitions` machine.
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from kvfsm.core import ReleaseBlocks
     from kvfsm.runtime import Engine, InFlight, KvCache
-    from kvfsm.testing._cluster import PairedRequest, SimCluster
+    from kvfsm.testing._cluster import Cluster, PairedRequest
 
 __all__ = ["COVERAGE", "Conformance", "Ledger", "untaken_transitions"]
 
@@ -75,7 +75,7 @@ class Conformance:
 class Ledger:
     """Properties 1-5, from what the engines tell their caller."""
 
-    def __init__(self, cluster: SimCluster) -> None:
+    def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
         self.violations: list[str] = []
         self._by_id: dict[tuple[str, str], PairedRequest] = {}

@@ -2,7 +2,7 @@
 
 The stateful suite explores at random; some transitions need a precise interleaving (an abort while
 a READ is in flight and P has already failed, a third handle of a request ending after two failed)
-that random search reaches only in long soaks. Each scenario here scripts one such interleaving and
+that random search reaches only in long soaks. Each interleaving here is scripted on a cluster and
 then lets the cluster settle, so the safety ledger checks it like any other run.
 """
 
@@ -12,26 +12,27 @@ from collections.abc import Callable
 
 from kvfsm.core import Mode, PrefillFinished
 from kvfsm.fabric import SimFaults
-from kvfsm.testing._cluster import SimCluster
+from kvfsm.testing._cluster import Cluster
 
-__all__ = ["SCENARIOS", "run_tour"]
+__all__ = ["INTERLEAVINGS", "Interleaving", "run_tour"]
 
 _SLOW = SimFaults(transfer_latency=0.25)
-Scenario = Callable[[Mode], SimCluster]
+Interleaving = Callable[[Mode], Cluster]
+"""Builds a cluster and scripts one interleaving on it, in the given mode."""
 
 
-def _cluster(mode: Mode, p_tp: int = 1, d_tp: int = 1, slow: bool = True) -> SimCluster:
-    return SimCluster(mode, p_tp=p_tp, d_tp=d_tp, faults=_SLOW if slow else None, num_blocks=24)
+def _cluster(mode: Mode, p_tp: int = 1, d_tp: int = 1, slow: bool = True) -> Cluster:
+    return Cluster(mode, p_tp=p_tp, d_tp=d_tp, faults=_SLOW if slow else None, num_blocks=24)
 
 
-def _state(c: SimCluster, agent: str, key: str) -> str:
+def _state(c: Cluster, agent: str, key: str) -> str:
     pr = c.requests[key]
     rid = pr.p_id if agent.startswith("P") else pr.d_id
     req = c.engines[agent].side.requests.get(rid)
     return req.state if req is not None else pr.final.get(agent, "gone")
 
 
-def _until(c: SimCluster, agent: str, key: str, *states: str, limit: float = 10.0) -> None:
+def _until(c: Cluster, agent: str, key: str, *states: str, limit: float = 10.0) -> None:
     end = c.network.now + limit
     while _state(c, agent, key) not in states:
         if c.network.now > end:
@@ -43,7 +44,7 @@ def _transferring(mode: Mode) -> str:
     return "writing" if mode == "push" else "reading"
 
 
-def _mid_transfer(mode: Mode, outcome: str | None = None, p_tp: int = 1) -> SimCluster:
+def _mid_transfer(mode: Mode, outcome: str | None = None, p_tp: int = 1) -> Cluster:
     """One request whose transfer is in flight (its post scripted to `outcome`, if given)."""
     c = _cluster(mode, p_tp=p_tp)
     if outcome is not None:
@@ -55,7 +56,7 @@ def _mid_transfer(mode: Mode, outcome: str | None = None, p_tp: int = 1) -> SimC
     return c
 
 
-def d_aborts_mid_transfer(mode: Mode) -> SimCluster:
+def d_aborts_mid_transfer(mode: Mode) -> Cluster:
     """D aborts while the transfer is in flight; then again (idempotent)."""
     c = _mid_transfer(mode)
     c.abort("r", "D")
@@ -63,21 +64,21 @@ def d_aborts_mid_transfer(mode: Mode) -> SimCluster:
     return c
 
 
-def d_aborts_stuck_transfer(mode: Mode) -> SimCluster:
+def d_aborts_stuck_transfer(mode: Mode) -> Cluster:
     """D aborts while the transfer hangs in PROC: the stall bound ends it."""
     c = _mid_transfer(mode, "stuck")
     c.abort("r", "D")
     return c
 
 
-def d_aborts_failing_transfer(mode: Mode) -> SimCluster:
+def d_aborts_failing_transfer(mode: Mode) -> Cluster:
     """D aborts while a transfer that will end in ERR is in flight."""
     c = _mid_transfer(mode, "err")
     c.abort("r", "D")
     return c
 
 
-def p_aborts_mid_transfer(mode: Mode, outcome: str | None = None) -> SimCluster:
+def p_aborts_mid_transfer(mode: Mode, outcome: str | None = None) -> Cluster:
     """P aborts while the transfer is in flight (optionally stuck or failing); D hears of it
     mid-transfer; P aborts again."""
     c = _mid_transfer(mode, outcome)
@@ -87,24 +88,24 @@ def p_aborts_mid_transfer(mode: Mode, outcome: str | None = None) -> SimCluster:
     return c
 
 
-def p_aborts_stuck(mode: Mode) -> SimCluster:
+def p_aborts_stuck(mode: Mode) -> Cluster:
     """P aborts while the transfer hangs."""
     return p_aborts_mid_transfer(mode, "stuck")
 
 
-def p_aborts_failing(mode: Mode) -> SimCluster:
+def p_aborts_failing(mode: Mode) -> Cluster:
     """P aborts while the transfer will fail."""
     return p_aborts_mid_transfer(mode, "err")
 
 
-def p_dies_mid_transfer(mode: Mode) -> SimCluster:
+def p_dies_mid_transfer(mode: Mode) -> Cluster:
     """P's host resets connections while the transfer is in flight."""
     c = _mid_transfer(mode)
     c.kill("P#0", reset=True)
     return c
 
 
-def d_replaced_mid_transfer(mode: Mode) -> SimCluster:
+def d_replaced_mid_transfer(mode: Mode) -> Cluster:
     """D goes silent mid-transfer and a new process takes its place: P learns that D is lost
     while its WRITE is still in flight (push), and the WRITE's end decides the request."""
     c = _mid_transfer(mode)
@@ -114,7 +115,7 @@ def d_replaced_mid_transfer(mode: Mode) -> SimCluster:
     return c
 
 
-def d_dies_while_p_drains(mode: Mode) -> SimCluster:
+def d_dies_while_p_drains(mode: Mode) -> Cluster:
     """D's host resets while P drains an aborted transfer."""
     c = _mid_transfer(mode)
     c.kill("D#0", reset=True)
@@ -122,7 +123,7 @@ def d_dies_while_p_drains(mode: Mode) -> SimCluster:
     return c
 
 
-def handshake_hangs(mode: Mode) -> SimCluster:
+def handshake_hangs(mode: Mode) -> Cluster:
     """D's handshake with P never answers: the watchdog ends the request, also a full hit."""
     c = _cluster(mode, slow=False)
     c.directory.hang_next("P#0", times=2)
@@ -133,7 +134,7 @@ def handshake_hangs(mode: Mode) -> SimCluster:
     return c
 
 
-def p_cannot_reach_d(mode: Mode) -> SimCluster:
+def p_cannot_reach_d(mode: Mode) -> Cluster:
     """P's handshake with D hangs: P waits in matched, then is aborted, or D's heartbeats stop."""
     c = _cluster(mode, slow=False)
     c.directory.hang_next("D#0", times=1)
@@ -149,7 +150,7 @@ def p_cannot_reach_d(mode: Mode) -> SimCluster:
     return c
 
 
-def late_results_while_fencing(mode: Mode) -> SimCluster:
+def late_results_while_fencing(mode: Mode) -> Cluster:
     """D's notifications are held until its watchdog fired: the late ones are recognised."""
     c = _cluster(mode, slow=False)
     c.admit("r", 2)
@@ -162,7 +163,7 @@ def late_results_while_fencing(mode: Mode) -> SimCluster:
     return c
 
 
-def two_consumers_register_early(mode: Mode) -> SimCluster:
+def two_consumers_register_early(mode: Mode) -> Cluster:
     """Two D ranks register before P's prefill ends; one handshake fails, then D gives up."""
     c = _cluster(mode, d_tp=2, slow=False)
     c.directory.fail_next("D#1")
@@ -176,14 +177,14 @@ def two_consumers_register_early(mode: Mode) -> SimCluster:
     return c
 
 
-def two_producers_one_grant_late(mode: Mode) -> SimCluster:
+def two_producers_one_grant_late(mode: Mode) -> Cluster:
     """D reads from two P ranks; it aborts after the first grant, the second arrives late."""
     c = _mid_transfer(mode, p_tp=2)
     c.abort("r", "D")
     return c
 
 
-def many_handles_some_fail(mode: Mode) -> SimCluster:
+def many_handles_some_fail(mode: Mode) -> Cluster:
     """Four handles, the first two fail: the request fails only once all four ended."""
     c = _cluster(mode, p_tp=4 if mode == "pull" else 1, d_tp=1 if mode == "pull" else 4)
     poster = "D#0" if mode == "pull" else "P#0"
@@ -194,7 +195,7 @@ def many_handles_some_fail(mode: Mode) -> SimCluster:
     return c
 
 
-def late_grant_while_draining(mode: Mode) -> SimCluster:
+def late_grant_while_draining(mode: Mode) -> Cluster:
     """D reads from two P ranks; one connects late, after D gave up on the first one's data."""
     c = _cluster(mode, p_tp=2)
     c.directory.hang_next("D#0", seconds=0.1)
@@ -205,7 +206,7 @@ def late_grant_while_draining(mode: Mode) -> SimCluster:
     return c
 
 
-def p_drains_while_consumers_arrive(mode: Mode) -> SimCluster:
+def p_drains_while_consumers_arrive(mode: Mode) -> Cluster:
     """P aborts while one D rank transfers; the other D rank's registration arrives only then."""
     c = _cluster(mode, d_tp=2)
     c.directory.hang_next("P#0", seconds=0.1)  # D#0 connects to P, and registers, late
@@ -216,7 +217,7 @@ def p_drains_while_consumers_arrive(mode: Mode) -> SimCluster:
     return c
 
 
-def p_drains_while_connecting(mode: Mode) -> SimCluster:
+def p_drains_while_connecting(mode: Mode) -> Cluster:
     """P aborts while one D rank transfers; its connection to the other comes up only then."""
     c = _cluster(mode, d_tp=2)
     c.directory.hang_next("D#0", seconds=0.1)  # P's connection to D#0 comes late
@@ -227,7 +228,7 @@ def p_drains_while_connecting(mode: Mode) -> SimCluster:
     return c
 
 
-def consumers_withdraw_while_p_connects(mode: Mode) -> SimCluster:
+def consumers_withdraw_while_p_connects(mode: Mode) -> Cluster:
     """Both D ranks register before P's prefill ends, then give up while P still connects."""
     c = _cluster(mode, d_tp=2, slow=False)
     for peer in ("D#0", "D#1"):
@@ -242,7 +243,7 @@ def consumers_withdraw_while_p_connects(mode: Mode) -> SimCluster:
     return c
 
 
-def peer_lost_while_p_drains(mode: Mode) -> SimCluster:
+def peer_lost_while_p_drains(mode: Mode) -> Cluster:
     """P drains a hung transfer when D goes silent and a new process takes its place."""
     c = _mid_transfer(mode, "stuck")
     c.abort("r", "P")
@@ -252,7 +253,7 @@ def peer_lost_while_p_drains(mode: Mode) -> SimCluster:
     return c
 
 
-def p_replaced_mid_transfer(mode: Mode) -> SimCluster:
+def p_replaced_mid_transfer(mode: Mode) -> Cluster:
     """P goes silent and a new process takes its place while two transfers hang, one of them
     already given up by D: both fail when polled, and the peer is lost once."""
     c = _cluster(mode)
@@ -268,7 +269,7 @@ def p_replaced_mid_transfer(mode: Mode) -> SimCluster:
     return c
 
 
-def second_consumer_registers_mid_transfer(mode: Mode) -> SimCluster:
+def second_consumer_registers_mid_transfer(mode: Mode) -> Cluster:
     """Of two D ranks, one registers only while P already transfers to the other."""
     c = _cluster(mode, d_tp=2)
     c.directory.hang_next("P#0", seconds=0.1)  # D#0 connects to P, and registers, late
@@ -278,7 +279,7 @@ def second_consumer_registers_mid_transfer(mode: Mode) -> SimCluster:
     return c
 
 
-def consumer_lost_before_prefill_ends(mode: Mode) -> SimCluster:
+def consumer_lost_before_prefill_ends(mode: Mode) -> Cluster:
     """D registered two requests and dies; P learns it when it next tells D something."""
     c = _cluster(mode, slow=False)
     c.admit("warm", 1)
@@ -293,7 +294,7 @@ def consumer_lost_before_prefill_ends(mode: Mode) -> SimCluster:
     return c
 
 
-def one_of_two_producers_lost(mode: Mode) -> SimCluster:
+def one_of_two_producers_lost(mode: Mode) -> Cluster:
     """D receives from two P ranks; one dies (its host resetting) mid-transfer; then, in two more
     requests, after its part completed, while the other rank has not started (it acknowledges
     D's cancel) or starts before the cancel reaches it (its completion comes late)."""
@@ -318,7 +319,7 @@ def one_of_two_producers_lost(mode: Mode) -> SimCluster:
     return c
 
 
-def d_gives_up_while_p_connects(mode: Mode) -> SimCluster:
+def d_gives_up_while_p_connects(mode: Mode) -> Cluster:
     """P matched D's registration and still connects to D when D gives up."""
     c = _cluster(mode, slow=False)
     c.directory.hang_next("D#0", seconds=0.5)
@@ -330,7 +331,7 @@ def d_gives_up_while_p_connects(mode: Mode) -> SimCluster:
     return c
 
 
-def cancel_overtakes_registration(mode: Mode) -> SimCluster:
+def cancel_overtakes_registration(mode: Mode) -> Cluster:
     """D registers with two P ranks and gives up at once; its registration to one rank is
     delayed past its cancel (found by the soak: that rank acknowledged, then matched the late
     registration and wrote into blocks D had released)."""
@@ -346,7 +347,7 @@ def cancel_overtakes_registration(mode: Mode) -> SimCluster:
     return c
 
 
-SCENARIOS: tuple[Scenario, ...] = (
+INTERLEAVINGS: tuple[Interleaving, ...] = (
     d_aborts_mid_transfer,
     d_aborts_stuck_transfer,
     d_aborts_failing_transfer,
@@ -377,14 +378,14 @@ SCENARIOS: tuple[Scenario, ...] = (
 
 
 def run_tour(mode: Mode) -> dict[str, list[str]]:
-    """Run every scenario in `mode`, settle it, and return its safety problems by name."""
+    """Run every interleaving in `mode`, settle it, and return its safety problems by name."""
     problems = {}
-    for scenario in SCENARIOS:
-        cluster = scenario(mode)
+    for interleaving in INTERLEAVINGS:
+        cluster = interleaving(mode)
         for key in sorted(cluster.requests):
             cluster.finish_prefill(key)
         cluster.settle()
         found = cluster.ledger.quiescence()
         found += cluster.conformance.violations if cluster.conformance else []
-        problems[scenario.__name__] = found
+        problems[interleaving.__name__] = found
     return problems

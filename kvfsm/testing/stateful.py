@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvfsm.core import Mode
 from kvfsm.fabric import SimFaults
 from kvfsm.layout import KvGeometry
-from kvfsm.testing._cluster import SIM_GEOMETRY, SimCluster
+from kvfsm.testing._cluster import SMALL_GEOMETRY, Cluster
 
 __all__ = ["LifecycleMachine", "machine_for"]
 
@@ -38,14 +38,14 @@ class LifecycleMachine(RuleBasedStateMachine):
     p_tp: ClassVar[int] = 1
     d_tp: ClassVar[int] = 1
     faults: ClassVar[SimFaults | None] = None
-    geometry: ClassVar[KvGeometry] = SIM_GEOMETRY
+    geometry: ClassVar[KvGeometry] = SMALL_GEOMETRY
     d_block_size: ClassVar[int | None] = None
     clock_skew: ClassVar[dict[str, float] | None] = None
     examples_run: ClassVar[int] = 0  # over every machine, for the coverage check
 
     def __init__(self) -> None:
         super().__init__()
-        self.cluster = SimCluster(
+        self.cluster = Cluster(
             self.mode, p_tp=self.p_tp, d_tp=self.d_tp, faults=self.faults, num_blocks=24,
             geometry=self.geometry, d_block_size=self.d_block_size, clock_skew=self.clock_skew,
         )  # fmt: skip
@@ -176,7 +176,7 @@ def machine_for(
     d_tp: int = 1,
     faults: SimFaults | None = None,
     *,
-    geometry: KvGeometry = SIM_GEOMETRY,
+    geometry: KvGeometry = SMALL_GEOMETRY,
     d_block_size: int | None = None,
     clock_skew: dict[str, float] | None = None,
 ) -> type[LifecycleMachine]:

@@ -1,4 +1,4 @@
-"""Hostile notifications injected into a running `SimCluster`: random bytes, mutated encodings and
+"""Hostile notifications injected into a running `Cluster`: random bytes, mutated encodings and
 well-formed messages of every type with bogus ids, ranks, block ids and deadlines, from the real
 peers, from the engines themselves and from agents nobody knows, at every point of a legitimate
 request's life. The legitimate request must end `done` on both sides with its bytes verified and
@@ -21,7 +21,7 @@ from strategies import mutated_bytes, texts, wire_messages
 from kvfsm.core import MAX_PEERS, Admit, Identity, NotificationReceived, Producer, Tick
 from kvfsm.fabric import SimFaults
 from kvfsm.runtime import Engine
-from kvfsm.testing import FAST_CONFIG, SimCluster
+from kvfsm.testing import FAST_CONFIG, Cluster
 from kvfsm.wire import (
     Cancel,
     Heartbeat,
@@ -118,8 +118,8 @@ def _connected_first(history: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return history
 
 
-def _inject(cluster: SimCluster, shot: Injection) -> bool:
-    """Hand one injection to the core of its target (as `SimCluster.inject_garbage` does) and
+def _inject(cluster: Cluster, shot: Injection) -> bool:
+    """Hand one injection to the core of its target (as `Cluster.inject_garbage` does) and
     check it was counted at once, or held; True if P holds it as an unmatched registration."""
     engine = cluster.engines[shot.target]
     before = _errors(engine)
@@ -163,7 +163,7 @@ class Run:
     noise started has expired. `histories`: each engine's transitions of the request."""
 
     def __init__(self, mode: str, shots: list[Injection], via: str) -> None:
-        self.cluster = cluster = SimCluster(mode, seed=7, faults=FAULTS)  # type: ignore[arg-type]
+        self.cluster = cluster = Cluster(mode, seed=7, faults=FAULTS)  # type: ignore[arg-type]
         self.via = via
         self.forged = {agent: Forged(engine) for agent, engine in cluster.engines.items()}
         self.histories: dict[str, list[tuple[str, str]]] = {}
@@ -207,7 +207,7 @@ def _baseline(mode: str) -> Run:
     return _BASELINE[mode]
 
 
-def _check_clean(cluster: SimCluster) -> None:
+def _check_clean(cluster: Cluster) -> None:
     assert cluster.ledger.quiescence() == []
     assert cluster.conformance is not None and cluster.conformance.violations == []
     # Every byte of the legitimate request was compared on D (property 4 of the ledger).
@@ -247,7 +247,7 @@ def test_noise_does_not_touch_a_running_request(
     assert run.errors() - _baseline(mode).errors() >= len(surely_counted)
 
 
-def _flood(cluster: SimCluster, n: int) -> Counter[str]:
+def _flood(cluster: Cluster, n: int) -> Counter[str]:
     """`n` bogus notifications of every kind from the real peers and one stranger, spread over
     both engines; returns how many went where."""
     sent: Counter[str] = Counter()
@@ -280,7 +280,7 @@ def test_a_flood_is_counted_and_bounded(mode: str) -> None:
     its bound; unmatched registrations stay within `max_pending_registrations` (beyond it P
     refuses, counted) and expire; no peer is created for the noise."""
     config = msgspec.structs.replace(FAST_CONFIG, max_pending_registrations=64)
-    cluster = SimCluster(mode, seed=11, faults=FAULTS, config=config)  # type: ignore[arg-type]
+    cluster = Cluster(mode, seed=11, faults=FAULTS, config=config)  # type: ignore[arg-type]
     pr = cluster.admit(KEY, BLOCKS)
     cluster.finish_prefill(KEY)
     cluster.step(2e-3)  # the request is under way (handshakes done, transfer posted)
@@ -300,7 +300,7 @@ def test_a_flood_is_counted_and_bounded(mode: str) -> None:
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_cancels_from_many_senders_keep_the_core_s_peers_bounded(mode: str) -> None:
-    cluster = SimCluster(mode, seed=1)  # type: ignore[arg-type]
+    cluster = Cluster(mode, seed=1)  # type: ignore[arg-type]
     p = cluster.engines["P#0"]
     # Straight into the core: agents that did handshake (or a deployment without guests) can
     # still name ever new senders; the core's peers stay bounded and P keeps serving.
@@ -320,7 +320,7 @@ def test_cancels_from_many_senders_keep_the_core_s_peers_bounded(mode: str) -> N
 def test_cancels_from_many_strangers_through_the_fabric_are_dropped(mode: str) -> None:
     # The same flood on the engine's inbound path: agents that never handshaked are dropped
     # before the core (counted), so the core creates no peer for them.
-    cluster = SimCluster(mode, seed=1)  # type: ignore[arg-type]
+    cluster = Cluster(mode, seed=1)  # type: ignore[arg-type]
     p = cluster.engines["P#0"]
     forged = Forged(p)
     for i in range(1000):

@@ -3,7 +3,7 @@ or without a prefix-cache hit, prefill with or without KV, aborts on either side
 run on `SimFabric` and on real NIXL agents, end in the same final states with the same bytes,
 and keep the safety properties on both.
 
-Hypothesis draws the scripts; each runs as one `SimCluster` per fabric with the same seed (so the
+Hypothesis draws the scripts; each runs as one `Cluster` per fabric with the same seed (so the
 same request ids, blocks and bytes). Operations apply at points where their outcome does not hang
 on how fast messages travel (right after an admission, or once D has registered): the real
 fabric cannot be told to drop or delay a message, so races are the simulated fabric's job."""
@@ -17,7 +17,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 
 from kvfsm.core import CoreConfig, Mode
-from kvfsm.testing import SimCluster
+from kvfsm.testing import Cluster
 
 # Deadlines long enough for a loaded machine, short enough that a lease runs out in a test.
 _CONFIG = CoreConfig(
@@ -48,9 +48,7 @@ _ops = st.builds(
 )
 
 
-def _play(
-    cluster: SimCluster, ops: list[_Op]
-) -> tuple[dict[str, dict[str, str]], dict[str, bytes]]:
+def _play(cluster: Cluster, ops: list[_Op]) -> tuple[dict[str, dict[str, str]], dict[str, bytes]]:
     keys = [f"r{i}" for i in range(len(ops))]
     for key, op in zip(keys, ops, strict=True):
         cluster.admit(key, op.blocks, op.cached, op.d_first, op.same_id)
@@ -72,7 +70,7 @@ def _play(
     return {k: dict(sorted(pr.final.items())) for k, pr in cluster.requests.items()}, received
 
 
-def _wait_registered(cluster: SimCluster, key: str) -> bool:
+def _wait_registered(cluster: Cluster, key: str) -> bool:
     """Let time pass until every D rank registered `key` (False if one never does: a full hit)."""
     pr = cluster.requests[key]
     for _ in range(20_000):
@@ -85,7 +83,7 @@ def _wait_registered(cluster: SimCluster, key: str) -> bool:
     raise AssertionError(f"{key} never registered")
 
 
-def _received_bytes(cluster: SimCluster) -> dict[str, bytes]:
+def _received_bytes(cluster: Cluster) -> dict[str, bytes]:
     """Every D rank's bytes of every request it finished with `done`."""
     out = {}
     for key, pr in cluster.requests.items():
@@ -113,7 +111,7 @@ def test_sim_and_nixl_agree(
 ) -> None:
     outcomes = []
     for fabric in ("sim", "nixl"):
-        cluster = SimCluster(
+        cluster = Cluster(
             mode, seed=seed, config=_CONFIG, num_blocks=24, p_tp=tp[0], d_tp=tp[1],
             d_block_size=4 * ratio, fabric=fabric,  # type: ignore[arg-type]
         )  # fmt: skip
@@ -141,7 +139,7 @@ def test_the_scripts_reach_every_kind_of_ending() -> None:
         _Op(1, 0, True, False, "abort-d-early"),
         _Op(2, 0, False, False, "abort-d-registered"),
     ]
-    cluster = SimCluster("push", config=_CONFIG, num_blocks=24, fabric="nixl")
+    cluster = Cluster("push", config=_CONFIG, num_blocks=24, fabric="nixl")
     try:
         finals, received = _play(cluster, ops)
     finally:

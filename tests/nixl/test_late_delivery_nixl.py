@@ -13,7 +13,7 @@ from kvfsm.core import Consumer, Identity
 from kvfsm.fabric import TCP_DRAIN_SLACK_S, TCP_USER_TIMEOUT_DEFAULT, NixlFabric
 from kvfsm.runtime import Engine, KvCache
 from kvfsm.sidechannel import LocalDirectory
-from kvfsm.testing import FAST_CONFIG, SIM_GEOMETRY
+from kvfsm.testing import FAST_CONFIG, SMALL_GEOMETRY
 
 
 @pytest.fixture
@@ -32,7 +32,7 @@ def test_nixl_fabric_sets_a_tcp_user_timeout_and_reports_its_bound(fabric: NixlF
 
 
 def test_an_engine_on_nixl_holds_given_up_blocks_at_least_that_long(fabric: NixlFabric) -> None:
-    kv = KvCache.allocate(SIM_GEOMETRY)
+    kv = KvCache.allocate(SMALL_GEOMETRY)
     short = msgspec.structs.replace(FAST_CONFIG, transport_drain_s=1.0)
     try:
         with pytest.raises(ValueError, match=r"below the 12\.0 s"):

@@ -7,18 +7,18 @@ import time
 
 import msgspec
 
-from kvfsm.testing import FAST_CONFIG, SimCluster
+from kvfsm.testing import FAST_CONFIG, Cluster
 
 _CONFIG = msgspec.structs.replace(FAST_CONFIG, peer_idle_ttl_s=0.2)
 _BOUND_S = 20.0  # a safety bound on the wait, not a timing assertion
 
 
-def _remotes(c: SimCluster) -> list[int]:
+def _remotes(c: Cluster) -> list[int]:
     return [e.fabric.open_resources()["remote_agents"] for e in c.live_engines()]
 
 
 def test_idle_remote_agents_are_unloaded_and_reloaded() -> None:
-    c = SimCluster("pull", config=_CONFIG, fabric="nixl")
+    c = Cluster("pull", config=_CONFIG, fabric="nixl")
     try:
         assert c.serve("r1", 2) == {"P#0": "done", "D#0": "done"}
         assert _remotes(c) == [1, 1]

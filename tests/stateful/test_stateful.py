@@ -8,7 +8,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from kvfsm.core import Mode
 from kvfsm.fabric import SimFaults
-from kvfsm.testing import SIM_MLA_GEOMETRY, run_tour, untaken_transitions
+from kvfsm.testing import SMALL_MLA_GEOMETRY, run_tour, untaken_transitions
 from kvfsm.testing.stateful import LifecycleMachine, machine_for
 
 # Transfers that stay in flight a while, so aborts, cancels and deaths land mid-transfer.
@@ -34,8 +34,8 @@ MACHINES = (
     machine_for("push", 2, 1, _SLOW),
     machine_for("pull", 1, 2, _SLOW),
     # Replicated (MLA) KV: one P rank moves the bytes, the other only notifies.
-    machine_for("push", 2, 1, _SLOW, geometry=SIM_MLA_GEOMETRY),
-    machine_for("pull", 2, 1, _NOISY, geometry=SIM_MLA_GEOMETRY),
+    machine_for("push", 2, 1, _SLOW, geometry=SMALL_MLA_GEOMETRY),
+    machine_for("pull", 2, 1, _NOISY, geometry=SMALL_MLA_GEOMETRY),
     # D's blocks hold 2 or 4 of P's: prefix-cache hits align across block sizes.
     machine_for("push", 1, 2, _NOISY, d_block_size=8),
     machine_for("pull", 1, 1, _SLOW, d_block_size=16),

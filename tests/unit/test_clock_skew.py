@@ -9,13 +9,13 @@ import pytest
 
 from kvfsm.core import Mode, Side
 from kvfsm.sidechannel import clock_offset
-from kvfsm.testing import FAST_CONFIG, SimCluster
+from kvfsm.testing import FAST_CONFIG, Cluster
 
 SKEWS = [{"P": 3e5}, {"D": 3e5}, {"P": -50.0}, {"D": -7.5}]
 
 
-def _serve(mode: Mode, skew: dict[str, float]) -> SimCluster:
-    c = SimCluster(mode, clock_skew=skew, handshake_latency=0.01)
+def _serve(mode: Mode, skew: dict[str, float]) -> Cluster:
+    c = Cluster(mode, clock_skew=skew, handshake_latency=0.01)
     for i in range(3):
         c.admit(f"r{i}", 2, d_first=bool(i % 2))
         c.finish_prefill(f"r{i}")
@@ -62,7 +62,7 @@ def test_a_handshake_held_long_by_the_peer_keeps_the_offset_precise() -> None:
     """A listener that answers after 60 s: the offset is still known to the transport's
     latency, so later grants and registrations keep their full margin."""
     config = msgspec.structs.replace(FAST_CONFIG, peer_idle_ttl_s=600.0)  # no idle eviction
-    c = SimCluster("pull", clock_skew={"P": 500.0}, handshake_latency=0.01, config=config)
+    c = Cluster("pull", clock_skew={"P": 500.0}, handshake_latency=0.01, config=config)
     c.directory.hang_next("P#0", seconds=60.0)
     c.admit("r0", 2)
     c.finish_prefill("r0")

@@ -1,7 +1,7 @@
 """Directed tests of the sans-I/O core (`Producer`, `Consumer`): matching, leases, the watchdog and
 fence, prefix-cache hits, requests without blocks and protocol errors.
 
-Most run on a `SimCluster` (both engines on the simulated fabric, the safety ledger watching); the
+Most run on a `Cluster` (both engines on the simulated fabric, the safety ledger watching); the
 ones about indexes and deadlines drive a core directly. Time is simulated throughout.
 Aborts, several handles, completion counting, duplicate/late/unknown messages and the library
 bugs found are in test_core_faults.py, which shares the helpers below.
@@ -35,24 +35,24 @@ from kvfsm.core import (
     Tick,
 )
 from kvfsm.lifecycle import LocalProtocolError
-from kvfsm.testing import FAST_CONFIG, PairedRequest, SimCluster
+from kvfsm.testing import FAST_CONFIG, Cluster, PairedRequest
 from kvfsm.wire import Grant, Heartbeat, Progress, Registration, decode, encode, pack_blocks
 
 MODES: tuple[Mode, ...] = ("push", "pull")
-BLOCK_BYTES = 512  # a block of SimCluster's model, all heads (TP ranks hold slices)
+BLOCK_BYTES = 512  # a block of Cluster's model, all heads (TP ranks hold slices)
 
 
 def blocks(*ids: int) -> np.ndarray:
     return np.array(ids, dtype=np.int32)
 
 
-# --- a SimCluster, watched -------------------------------------------------------------------------
+# --- a Cluster, watched -------------------------------------------------------------------------
 
 
 class Outputs:
     """Every caller output of a cluster's engines, with the simulated time it came out."""
 
-    def __init__(self, cluster: SimCluster) -> None:
+    def __init__(self, cluster: Cluster) -> None:
         self.log: list[tuple[float, str, Any]] = []
         inner = cluster._on_output
 
@@ -77,31 +77,31 @@ class Outputs:
         return self.of(agent, rid, Finished)
 
 
-def state(cluster: SimCluster, agent: str, rid: str) -> str | None:
+def state(cluster: Cluster, agent: str, rid: str) -> str | None:
     req = cluster.engines[agent].side.requests.get(rid)
     return None if req is None else req.state
 
 
-def run(cluster: SimCluster, seconds: float, dt: float = 0.01) -> None:
+def run(cluster: Cluster, seconds: float, dt: float = 0.01) -> None:
     for _ in range(round(seconds / dt)):
         cluster.step(dt)
 
 
-def run_until(cluster: SimCluster, done: Any, limit: float = 1.0, dt: float = 0.01) -> None:
+def run_until(cluster: Cluster, done: Any, limit: float = 1.0, dt: float = 0.01) -> None:
     end = cluster.network.now + limit
     while not done():
         assert cluster.network.now < end, "condition not reached in time"
         cluster.step(dt)
 
 
-def settled(cluster: SimCluster) -> None:
+def settled(cluster: Cluster) -> None:
     """Every request ended, every block released once, every step conformed to the models."""
     cluster.settle()
     assert cluster.ledger.quiescence() == []
     assert cluster.conformance is not None and cluster.conformance.violations == []
 
 
-def admit_d_only(cluster: SimCluster, key: str, n: int, **kw: Any) -> PairedRequest:
+def admit_d_only(cluster: Cluster, key: str, n: int, **kw: Any) -> PairedRequest:
     """Admit `key` on D only (P admits it later with `admit_p`), so D's registration reaches P
     before P knows the request."""
     cluster._admit_p = lambda pr: None  # type: ignore[method-assign]
@@ -111,13 +111,13 @@ def admit_d_only(cluster: SimCluster, key: str, n: int, **kw: Any) -> PairedRequ
         del cluster._admit_p
 
 
-def admit_p(cluster: SimCluster, pr: PairedRequest) -> None:
+def admit_p(cluster: Cluster, pr: PairedRequest) -> None:
     for engine in cluster.live("P"):
         engine.submit(Admit(pr.p_id, pr.p_blocks))
     cluster.collect()
 
 
-def warm(cluster: SimCluster) -> None:
+def warm(cluster: Cluster) -> None:
     """One request end to end, so P and D are connected both ways."""
     cluster.admit("warm", 1)
     cluster.finish_prefill("warm")
@@ -146,7 +146,7 @@ def registration(p_id: str, d_id: str, ids: tuple[int, ...] = (1, 2), rank: int 
 def test_registration_matches_by_exact_and_base_id(
     mode: Mode, d_first: bool, same_id: bool
 ) -> None:
-    cluster = SimCluster(mode)
+    cluster = Cluster(mode)
     pr = cluster.admit("r", 4, d_first=d_first, same_id=same_id)
     assert (pr.p_id == pr.d_id) == same_id
     run_until(cluster, lambda: state(cluster, "P#0", pr.p_id) == "registered")
@@ -162,7 +162,7 @@ def test_registration_matches_by_exact_and_base_id(
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("same_id", [True, False], ids=["exact_id", "base_id"])
 def test_registration_before_p_admits_is_kept_and_matched(mode: Mode, same_id: bool) -> None:
-    cluster = SimCluster(mode)
+    cluster = Cluster(mode)
     pr = admit_d_only(cluster, "r", 4, same_id=same_id)
     p = cluster.engines["P#0"].side
     run_until(cluster, lambda: state(cluster, "D#0", pr.d_id) == "registered")
@@ -223,7 +223,7 @@ def test_unmatched_registration_expires_after_ttl(mode: Mode) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_pending_registrations_are_bounded(mode: Mode) -> None:
-    cluster = SimCluster(mode, config=config(max_pending_registrations=2))
+    cluster = Cluster(mode, config=config(max_pending_registrations=2))
     warm(cluster)  # connected: P's refusal reaches D
     out = Outputs(cluster)
     t0 = cluster.network.now
@@ -250,7 +250,7 @@ def test_pending_registrations_are_bounded(mode: Mode) -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_lease_expires_and_releases_blocks_once(mode: Mode) -> None:
     lease = FAST_CONFIG.lease_s
-    cluster = SimCluster(mode, config=config(watchdog_s=10.0))
+    cluster = Cluster(mode, config=config(watchdog_s=10.0))
     out = Outputs(cluster)
     pr = cluster.admit("r", 4)
     cluster.network.drop_next_notif("P#0")  # D's registration
@@ -269,7 +269,7 @@ def test_lease_expires_and_releases_blocks_once(mode: Mode) -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_heartbeats_extend_the_lease_while_matched(mode: Mode) -> None:
     c = config(watchdog_s=30.0)
-    cluster = SimCluster(mode, config=c)
+    cluster = Cluster(mode, config=c)
     out = Outputs(cluster)
     cluster.directory.hang_next("D#0")  # P's handshake with D hangs: P stays matched
     pr = cluster.admit("r", 4)
@@ -346,7 +346,7 @@ def test_sweep_finds_every_expired_lease_when_heartbeats_reorder_deadlines(mode:
 @pytest.mark.parametrize("mode", MODES)
 def test_watchdog_reports_blocks_invalid_when_p_never_acts(mode: Mode) -> None:
     wd, fence = FAST_CONFIG.watchdog_s, FAST_CONFIG.fence_s
-    cluster = SimCluster(mode)
+    cluster = Cluster(mode)
     out = Outputs(cluster)
     pr = cluster.admit("r", 4)
     cluster.network.drop_next_notif("P#0")  # D's registration: P never acts on it
@@ -371,7 +371,7 @@ def test_watchdog_reports_blocks_invalid_when_p_never_acts(mode: Mode) -> None:
 
 def test_push_fence_holds_blocks_until_p_acknowledges() -> None:
     wd, fence = FAST_CONFIG.watchdog_s, FAST_CONFIG.fence_s
-    cluster = SimCluster("push")
+    cluster = Cluster("push")
     warm(cluster)
     out = Outputs(cluster)
     cluster.network.drop_next_notif("P#0")  # D's registration: P never learns of the request
@@ -400,7 +400,7 @@ def test_push_fence_holds_blocks_until_p_acknowledges() -> None:
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("prefill_first", [True, False], ids=["prefill_first", "cancel_first"])
 def test_full_prefix_hit_releases_p_at_once(mode: Mode, prefill_first: bool) -> None:
-    cluster = SimCluster(mode)
+    cluster = Cluster(mode)
     out = Outputs(cluster)
     pr = cluster.admit("r", 4, d_cached=4)
     t0 = cluster.network.now
@@ -423,7 +423,7 @@ def test_full_prefix_hit_releases_p_at_once(mode: Mode, prefill_first: bool) -> 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_partial_prefix_hit_receives_only_the_last_blocks(mode: Mode) -> None:
-    cluster = SimCluster(mode)
+    cluster = Cluster(mode)
     out = Outputs(cluster)
     pr = cluster.admit("r", 5, d_cached=2)
     cluster.finish_prefill("r")
@@ -439,7 +439,7 @@ def test_partial_prefix_hit_receives_only_the_last_blocks(mode: Mode) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_request_without_blocks_is_done_at_once(mode: Mode) -> None:
-    cluster = SimCluster(mode)
+    cluster = Cluster(mode)
     pr = cluster.admit("r", 0)
     cluster.finish_prefill("r")
     assert pr.final["P#0"] == "done"
@@ -450,7 +450,7 @@ def test_request_without_blocks_is_done_at_once(mode: Mode) -> None:
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("registered", [True, False], ids=["after_register", "before_register"])
 def test_prefill_without_blocks_never_lets_d_succeed(mode: Mode, registered: bool) -> None:
-    cluster = SimCluster(mode)
+    cluster = Cluster(mode)
     warm(cluster)  # connected: P's failure reaches D (cold: see test_core_faults.py)
     out = Outputs(cluster)
     pr = cluster.admit("r", 4)

@@ -33,7 +33,7 @@ from kvfsm.core import (
     ReportReceived,
 )
 from kvfsm.lifecycle import load
-from kvfsm.testing import PairedRequest, SimCluster
+from kvfsm.testing import Cluster, PairedRequest
 from kvfsm.wire import (
     MAX_MESSAGE_BYTES,
     Cancel,
@@ -49,7 +49,7 @@ from kvfsm.wire import (
     pack_blocks,
 )
 
-BLOCK_BYTES = 512  # a block of SimCluster's model, all heads (TP ranks hold slices)
+BLOCK_BYTES = 512  # a block of Cluster's model, all heads (TP ranks hold slices)
 
 # --- 4. abort from every state ---------------------------------------------------------------------
 
@@ -76,7 +76,7 @@ def test_the_abort_cases_cover_every_live_state_of_every_request_model() -> None
             assert set(table[mode]) == set(model.states) - model.terminal, (side, mode)
 
 
-def drive(cluster: SimCluster, side: str, target: str) -> PairedRequest:
+def drive(cluster: Cluster, side: str, target: str) -> PairedRequest:
     """Drive a new request "r" to the state `target` on `side`'s rank 0."""
     net, mode = cluster.network, cluster.mode
     if target == "releasing":  # a full prefix-cache hit, D's handshake with P hanging
@@ -111,7 +111,7 @@ def drive(cluster: SimCluster, side: str, target: str) -> PairedRequest:
 def test_abort_from_every_state_releases_once_and_engines_keep_serving(
     mode: Mode, side: str, target: str
 ) -> None:
-    cluster = SimCluster(mode)
+    cluster = Cluster(mode)
     out = Outputs(cluster)
     pr = drive(cluster, side, target)
     agent, rid = f"{side}#0", pr.p_id if side == "P" else pr.d_id
@@ -133,7 +133,7 @@ def test_abort_from_every_state_releases_once_and_engines_keep_serving(
 # --- 5. several handles: nothing is released before every handle ended ---------------------------
 
 
-def tally(cluster: SimCluster, agent: str, rid: str) -> tuple[int, int, str]:
+def tally(cluster: Cluster, agent: str, rid: str) -> tuple[int, int, str]:
     t = cluster.engines[agent].side.requests[rid].tally
     return t.ok, t.failed, t.state
 
@@ -142,7 +142,7 @@ def tally(cluster: SimCluster, agent: str, rid: str) -> tuple[int, int, str]:
     ("mode", "p_tp", "d_tp"), [("push", 1, 2), ("pull", 2, 1)], ids=["push_1x2", "pull_2x1"]
 )
 def test_failed_handle_waits_for_its_sibling(mode: Mode, p_tp: int, d_tp: int) -> None:
-    cluster = SimCluster(mode, p_tp=p_tp, d_tp=d_tp)
+    cluster = Cluster(mode, p_tp=p_tp, d_tp=d_tp)
     out = Outputs(cluster)
     pr = cluster.admit("r", 4)
     run(cluster, 0.05)
@@ -176,7 +176,7 @@ def test_failed_handle_waits_for_its_sibling(mode: Mode, p_tp: int, d_tp: int) -
 
 
 def test_pull_p_is_done_only_after_every_d_rank_read() -> None:
-    cluster = SimCluster("pull", d_tp=2)
+    cluster = Cluster("pull", d_tp=2)
     out = Outputs(cluster)
     pr = cluster.admit("r", 4)
     run_until(cluster, lambda: len(cluster.engines["P#0"].side.requests[pr.p_id].links) == 2)
@@ -192,7 +192,7 @@ def test_pull_p_is_done_only_after_every_d_rank_read() -> None:
 
 
 def test_push_d_is_done_only_after_every_p_rank_wrote() -> None:
-    cluster = SimCluster("push", p_tp=2)
+    cluster = Cluster("push", p_tp=2)
     out = Outputs(cluster)
     pr = cluster.admit("r", 4)
     run_until(cluster, lambda: state(cluster, "P#1", pr.p_id) == "registered")
@@ -220,7 +220,7 @@ def test_push_d_is_done_only_after_every_p_rank_wrote() -> None:
 def test_duplicated_completion_is_counted_and_changes_nothing(
     mode: Mode, p_tp: int, d_tp: int, counted: str
 ) -> None:
-    cluster = SimCluster(mode, p_tp=p_tp, d_tp=d_tp)
+    cluster = Cluster(mode, p_tp=p_tp, d_tp=d_tp)
     net = cluster.network
     pr = cluster.admit("r", 4)
     run(cluster, 0.05)
@@ -260,7 +260,7 @@ def messages_to(side: str, mode: Mode, rid: str, sender_rid: str) -> list[Messag
     ]
 
 
-def deliver(cluster: SimCluster, receiver: str, sender: str, message: Message | bytes) -> None:
+def deliver(cluster: Cluster, receiver: str, sender: str, message: Message | bytes) -> None:
     payload = message if isinstance(message, bytes) else encode(message)
     cluster.engines[receiver].submit(NotificationReceived(sender, payload))
     cluster.collect()
@@ -268,7 +268,7 @@ def deliver(cluster: SimCluster, receiver: str, sender: str, message: Message | 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_notifications_for_ended_requests_are_counted_late(mode: Mode) -> None:
-    cluster = SimCluster(mode)
+    cluster = Cluster(mode)
     out = Outputs(cluster)
     pr = cluster.admit("r", 4)
     cluster.finish_prefill("r")
@@ -289,7 +289,7 @@ def test_notifications_for_ended_requests_are_counted_late(mode: Mode) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_notifications_for_unknown_requests_are_counted_unknown(mode: Mode) -> None:
-    cluster = SimCluster(mode)
+    cluster = Cluster(mode)
     warm(cluster)
     for message in messages_to("D", mode, "ghost-00000000", "ghost-11111111"):
         deliver(cluster, "D#0", "P#0", message)
@@ -318,7 +318,7 @@ GARBAGE = [
 
 @pytest.mark.parametrize("mode", MODES)
 def test_malformed_notifications_are_counted_and_engines_keep_serving(mode: Mode) -> None:
-    cluster = SimCluster(mode)
+    cluster = Cluster(mode)
     for agent in ("P#0", "D#0"):
         for payload in GARBAGE:
             cluster.inject_garbage(agent, payload)
@@ -333,7 +333,7 @@ def test_malformed_notifications_are_counted_and_engines_keep_serving(mode: Mode
 
 
 def test_cancel_withdraws_a_pending_registration() -> None:
-    cluster = SimCluster("push")
+    cluster = Cluster("push")
     warm(cluster)  # connected: P's acknowledgement reaches D
     pr = admit_d_only(cluster, "r", 4)
     run(cluster, 0.05)
@@ -349,7 +349,7 @@ def test_cancel_withdraws_a_pending_registration() -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_duplicated_registration_is_counted_not_kept(mode: Mode) -> None:
-    cluster = SimCluster(mode)
+    cluster = Cluster(mode)
     pr = cluster.admit("r", 4)
     cluster.network.duplicate_next_notif("P#0")  # D's registration arrives twice
     run(cluster, 0.05)
@@ -382,7 +382,7 @@ def test_pending_registration_goes_to_the_request_it_names(mode: Mode) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_cancel_for_an_ended_request_is_counted_late(mode: Mode) -> None:
-    cluster = SimCluster(mode)
+    cluster = Cluster(mode)
     pr = cluster.admit("r", 4)
     cluster.finish_prefill("r")
     settled(cluster)
@@ -391,7 +391,7 @@ def test_cancel_for_an_ended_request_is_counted_late(mode: Mode) -> None:
 
 
 def test_push_p_acknowledges_cancel_of_a_request_it_never_matched() -> None:
-    cluster = SimCluster("push")
+    cluster = Cluster("push")
     warm(cluster)  # connected: an acknowledgement would reach D
     out = Outputs(cluster)
     cluster.network.drop_next_notif("P#0")  # D's registration
@@ -406,7 +406,7 @@ def test_push_p_acknowledges_cancel_of_a_request_it_never_matched() -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_p_tells_d_of_a_failure_before_it_connected(mode: Mode) -> None:
-    cluster = SimCluster(mode)
+    cluster = Cluster(mode)
     pr = cluster.admit("r", 4)
     run_until(cluster, lambda: state(cluster, "P#0", pr.p_id) == "registered")
     cluster.finish_prefill("r", without_blocks=True)

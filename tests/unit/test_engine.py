@@ -13,12 +13,12 @@ from kvfsm.fabric import FabricError, SimNetwork
 from kvfsm.layout import KvGeometry
 from kvfsm.runtime import Engine, KvCache, RequestTrace, plan_route
 from kvfsm.sidechannel import LocalDirectory
-from kvfsm.testing import SIM_GEOMETRY, SIM_MLA_GEOMETRY, SimCluster
+from kvfsm.testing import SMALL_GEOMETRY, SMALL_MLA_GEOMETRY, Cluster
 
 MODES = ["push", "pull"]
 
 
-def _settle(cluster: SimCluster) -> None:
+def _settle(cluster: Cluster) -> None:
     cluster.settle()
     assert cluster.ledger.quiescence() == []
 
@@ -26,7 +26,7 @@ def _settle(cluster: SimCluster) -> None:
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2), (2, 4)])
 def test_replicated_kv_moves_one_copy_per_d_rank(mode: Mode, p_tp: int, d_tp: int) -> None:
-    cluster = SimCluster(mode, p_tp=p_tp, d_tp=d_tp, geometry=SIM_MLA_GEOMETRY)
+    cluster = Cluster(mode, p_tp=p_tp, d_tp=d_tp, geometry=SMALL_MLA_GEOMETRY)
     prs = [cluster.admit(f"r{i}", 3) for i in range(4)]
     for pr in prs:
         cluster.finish_prefill(pr.key)
@@ -43,7 +43,7 @@ def test_replicated_kv_moves_one_copy_per_d_rank(mode: Mode, p_tp: int, d_tp: in
 @pytest.mark.parametrize(("n", "cached"), [(7, 0), (7, 1), (8, 2), (5, 2), (3, 1)])
 def test_bigger_d_blocks_pair_after_a_prefix_hit(mode: Mode, n: int, cached: int) -> None:
     # P's blocks hold 4 tokens, D's 8; D already holds its first `cached` blocks.
-    cluster = SimCluster(mode, d_block_size=8)
+    cluster = Cluster(mode, d_block_size=8)
     pr = cluster.admit("r", n, d_cached=cached)
     cluster.finish_prefill("r")
     _settle(cluster)
@@ -91,8 +91,8 @@ def _run(net: SimNetwork, engines: tuple[Engine, ...], outputs: list[object], un
 
 @pytest.mark.parametrize("mode", MODES)
 def test_p_blocks_bigger_than_d_blocks_are_refused_at_the_handshake(mode: Mode) -> None:
-    p_geo = msgspec.structs.replace(SIM_GEOMETRY, block_size=8, num_blocks=8)
-    d_geo = msgspec.structs.replace(SIM_GEOMETRY, block_size=4, num_blocks=8)
+    p_geo = msgspec.structs.replace(SMALL_GEOMETRY, block_size=8, num_blocks=8)
+    d_geo = msgspec.structs.replace(SMALL_GEOMETRY, block_size=4, num_blocks=8)
     net, p, d = _engines(mode, p_geo, d_geo)
     blocks = np.array([1, 2], dtype=np.int32)
     p.submit(Admit("r-0000000a", blocks))
@@ -108,17 +108,17 @@ def test_p_blocks_bigger_than_d_blocks_are_refused_at_the_handshake(mode: Mode) 
 
 
 def test_plan_route_says_why_geometries_cannot_pair() -> None:
-    p_geo = msgspec.structs.replace(SIM_GEOMETRY, block_size=8)
+    p_geo = msgspec.structs.replace(SMALL_GEOMETRY, block_size=8)
     with pytest.raises(ValueError, match="P's blocks of 8 tokens must divide D's blocks of 4"):
-        plan_route(p_geo, SIM_GEOMETRY, local_is_p=True)
-    d_rank1 = msgspec.structs.replace(SIM_GEOMETRY, tp_size=2, tp_rank=1)
+        plan_route(p_geo, SMALL_GEOMETRY, local_is_p=True)
+    d_rank1 = msgspec.structs.replace(SMALL_GEOMETRY, tp_size=2, tp_rank=1)
     with pytest.raises(
         ValueError, match=r"exchanges KV with peer ranks \[1\] of 2, not with rank 0"
     ):
-        plan_route(d_rank1, msgspec.structs.replace(SIM_GEOMETRY, tp_size=2), local_is_p=False)
+        plan_route(d_rank1, msgspec.structs.replace(SMALL_GEOMETRY, tp_size=2), local_is_p=False)
     route = plan_route(
-        SIM_MLA_GEOMETRY.for_rank(0),
-        msgspec.structs.replace(SIM_MLA_GEOMETRY, tp_size=2, tp_rank=1),
+        SMALL_MLA_GEOMETRY.for_rank(0),
+        msgspec.structs.replace(SMALL_MLA_GEOMETRY, tp_size=2, tp_rank=1),
         local_is_p=False,
     )
     assert route.pairing is None  # replicated KV: rank 1 only hears that the read is done
@@ -126,7 +126,7 @@ def test_plan_route_says_why_geometries_cannot_pair() -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_trace_reports_bytes_descriptors_and_the_fabric_s_merging(mode: Mode) -> None:
-    net, p, d = _engines(mode, SIM_GEOMETRY, SIM_GEOMETRY)
+    net, p, d = _engines(mode, SMALL_GEOMETRY, SMALL_GEOMETRY)
     p_blocks = np.array([4, 5, 6], dtype=np.int32)  # adjacent on both sides: the fabric merges
     p.submit(Admit("r-0000000a", p_blocks))
     p.submit(PrefillFinished("r-0000000a", p_blocks))
@@ -139,14 +139,14 @@ def test_a_trace_reports_bytes_descriptors_and_the_fabric_s_merging(mode: Mode) 
     assert poster.state == other.state == "done"
     assert poster.stats.transfers == 1 and poster.stats.failed == 0
     assert poster.stats.bytes == 3 * p.kv.block_bytes
-    assert poster.stats.descriptors == 3 * SIM_GEOMETRY.num_regions  # a row per block per layer
-    assert poster.stats.fabric_descriptors == SIM_GEOMETRY.num_regions  # merged per layer
+    assert poster.stats.descriptors == 3 * SMALL_GEOMETRY.num_regions  # a row per block per layer
+    assert poster.stats.fabric_descriptors == SMALL_GEOMETRY.num_regions  # merged per layer
     assert other.stats.transfers == 0 and other.stats.bytes == 0
     assert poster.history[-1][1] == "done" and sum(poster.time_in_state_s.values()) > 0
 
 
 def test_kv_cache_takes_one_buffer_or_one_per_region() -> None:
-    g = SIM_GEOMETRY
+    g = SMALL_GEOMETRY
     whole = KvCache.allocate(g)
     assert whole.layout.base_addresses[1] - whole.layout.base_addresses[0] == g.region_bytes
     layers = [torch.zeros(g.region_bytes // 2, dtype=torch.float16) for _ in range(g.num_regions)]
@@ -169,8 +169,8 @@ def test_kv_cache_takes_one_buffer_or_one_per_region() -> None:
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1), (2, 4)])
 def test_hnc_pages_move_head_slices_between_tp_sizes(mode: Mode, p_tp: int, d_tp: int) -> None:
     # vLLM's CPU layout: each head's tokens with K and V side by side; a head run is contiguous.
-    geometry = msgspec.structs.replace(SIM_GEOMETRY, kv_layout="HNC")
-    cluster = SimCluster(mode, p_tp=p_tp, d_tp=d_tp, geometry=geometry, d_block_size=8)
+    geometry = msgspec.structs.replace(SMALL_GEOMETRY, kv_layout="HNC")
+    cluster = Cluster(mode, p_tp=p_tp, d_tp=d_tp, geometry=geometry, d_block_size=8)
     prs = [cluster.admit(f"r{i}", 5, d_cached=i % 2) for i in range(4)]
     for pr in prs:
         cluster.finish_prefill(pr.key)
@@ -181,7 +181,7 @@ def test_hnc_pages_move_head_slices_between_tp_sizes(mode: Mode, p_tp: int, d_tp
 
 @pytest.mark.parametrize("mode", MODES)
 def test_coalescing_posts_one_row_per_run_adjacent_on_both_sides(mode: Mode) -> None:
-    net, p, d = _engines(mode, SIM_GEOMETRY, SIM_GEOMETRY, coalesce=True)
+    net, p, d = _engines(mode, SMALL_GEOMETRY, SMALL_GEOMETRY, coalesce=True)
     p_blocks = np.array([4, 5, 6, 9], dtype=np.int32)  # runs 4-6 and 9 on P
     d_blocks = np.array([10, 11, 12, 13], dtype=np.int32)  # one run on D
     for i, block in enumerate(p_blocks):
@@ -195,11 +195,11 @@ def test_coalescing_posts_one_row_per_run_adjacent_on_both_sides(mode: Mode) -> 
     poster = traces["r-0000000a" if mode == "push" else "r-0000000b"]
     assert poster.state == "done" and poster.stats.bytes == 4 * p.kv.block_bytes
     # Two runs per layer region, merged by kvfsm; the fabric's dynamic path merges nothing more.
-    assert poster.stats.descriptors == 2 * SIM_GEOMETRY.num_regions
-    assert poster.stats.fabric_descriptors == 2 * SIM_GEOMETRY.num_regions
+    assert poster.stats.descriptors == 2 * SMALL_GEOMETRY.num_regions
+    assert poster.stats.fabric_descriptors == 2 * SMALL_GEOMETRY.num_regions
     for p_region, d_region in zip(p.kv.regions(), d.kv.regions(), strict=True):
-        p_view = p_region.reshape(SIM_GEOMETRY.num_blocks, -1)
-        d_view = d_region.reshape(SIM_GEOMETRY.num_blocks, -1)
+        p_view = p_region.reshape(SMALL_GEOMETRY.num_blocks, -1)
+        d_view = d_region.reshape(SMALL_GEOMETRY.num_blocks, -1)
         np.testing.assert_array_equal(d_view[d_blocks], p_view[p_blocks])
         assert (d_view[d_blocks] != 0).all()  # the filled bytes, not two zeroed caches
 
@@ -208,7 +208,7 @@ def test_coalescing_posts_one_row_per_run_adjacent_on_both_sides(mode: Mode) -> 
 def test_fabric_errors_in_telemetry_and_release_are_counted_not_raised(
     mode: Mode, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    net, p, d = _engines(mode, SIM_GEOMETRY, SIM_GEOMETRY)
+    net, p, d = _engines(mode, SMALL_GEOMETRY, SMALL_GEOMETRY)
     poster = p if mode == "push" else d
 
     def broken(_handle: object) -> None:
@@ -228,7 +228,7 @@ def test_fabric_errors_in_telemetry_and_release_are_counted_not_raised(
 
 
 def test_a_non_fabric_error_in_cleanup_is_not_swallowed(monkeypatch: pytest.MonkeyPatch) -> None:
-    net, p, d = _engines("push", SIM_GEOMETRY, SIM_GEOMETRY)
+    net, p, d = _engines("push", SMALL_GEOMETRY, SMALL_GEOMETRY)
 
     def bug(_handle: object) -> None:
         raise KeyError("a bug, not the fabric")

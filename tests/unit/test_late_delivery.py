@@ -23,13 +23,13 @@ from kvfsm.fabric import (
 )
 from kvfsm.runtime import Engine, KvCache
 from kvfsm.sidechannel import LocalDirectory
-from kvfsm.testing import SIM_GEOMETRY, SimCluster
+from kvfsm.testing import SMALL_GEOMETRY, Cluster
 
 LATE = 0.5
 TCP = SimFaults(transfer_latency=0.01, late_delivery=LATE)
 
 
-def _abort_in_flight(cluster: SimCluster, mode: Mode) -> tuple[Outputs, str]:
+def _abort_in_flight(cluster: Cluster, mode: Mode) -> tuple[Outputs, str]:
     """Admit a request whose transfer never completes, abort it on D once it is in flight (the
     stall bound ends it); the outputs and D's id."""
     warm(cluster)
@@ -45,7 +45,7 @@ def _abort_in_flight(cluster: SimCluster, mode: Mode) -> tuple[Outputs, str]:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_d_holds_given_up_blocks_until_late_bytes_cannot_land(mode: Mode) -> None:
-    cluster = SimCluster(mode, faults=TCP)
+    cluster = Cluster(mode, faults=TCP)
     d = cluster.engines["D#0"].side
     assert d.transport_drain_s == LATE  # taken from the fabric
     out, rid = _abort_in_flight(cluster, mode)
@@ -62,7 +62,7 @@ def test_d_holds_given_up_blocks_until_late_bytes_cannot_land(mode: Mode) -> Non
 
 @pytest.mark.parametrize("mode", MODES)
 def test_without_the_hold_the_ledger_sees_bytes_land_in_handed_back_blocks(mode: Mode) -> None:
-    cluster = SimCluster(mode, faults=TCP)
+    cluster = Cluster(mode, faults=TCP)
     cluster.engines["D#0"].side.transport_drain_s = 0.0  # the bug: hand back at once
     out, rid = _abort_in_flight(cluster, mode)
     run(cluster, 6.0)
@@ -72,7 +72,7 @@ def test_without_the_hold_the_ledger_sees_bytes_land_in_handed_back_blocks(mode:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_request_that_was_received_is_never_held(mode: Mode) -> None:
-    cluster = SimCluster(mode, faults=TCP)
+    cluster = Cluster(mode, faults=TCP)
     out = Outputs(cluster)
     pr = cluster.admit("r", 4)
     cluster.finish_prefill("r")
@@ -84,7 +84,7 @@ def test_a_request_that_was_received_is_never_held(mode: Mode) -> None:
 
 def test_the_engine_takes_the_fabrics_bound_and_refuses_a_lower_one() -> None:
     net = SimNetwork(faults=SimFaults(late_delivery=2.0))
-    kv = KvCache.allocate(SIM_GEOMETRY)
+    kv = KvCache.allocate(SMALL_GEOMETRY)
     directory = LocalDirectory()
 
     def engine(**changes: object) -> Engine:

@@ -9,7 +9,7 @@ import pytest
 
 from kvfsm.core import Mode
 from kvfsm.runtime import Guests
-from kvfsm.testing import SimCluster
+from kvfsm.testing import Cluster
 from kvfsm.wire import AuthError, Registration, SharedSecret, encode, pack_blocks
 
 MODES: tuple[Mode, ...] = ("push", "pull")
@@ -20,14 +20,14 @@ def _registration(pr_p_id: str, blocks: list[int]) -> bytes:
     return encode(Registration(pr_p_id, "forged-00000000", 0, 1, "X", pack_blocks(blocks), 1e9, ""))
 
 
-def _blocks_untouched(c: SimCluster, key: str) -> None:
+def _blocks_untouched(c: Cluster, key: str) -> None:
     assert c.ledger.violations == [] and c.ledger.quiescence() == []
     assert set(c.requests[key].final.values()) == {"done"}
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_stranger_with_ps_metadata_is_not_heard(mode: Mode) -> None:
-    c = SimCluster(mode)
+    c = Cluster(mode)
     pr = c.admit("r", 2)
     # An agent that got P's metadata without a handshake (NIXL would deliver its notifications)
     # registers other blocks for P's request, first: P must not match it.
@@ -44,7 +44,7 @@ def test_a_stranger_with_ps_metadata_is_not_heard(mode: Mode) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_with_a_secret_requests_are_served_and_unsealed_words_are_dropped(mode: Mode) -> None:
-    c = SimCluster(mode, secret=SECRET)
+    c = Cluster(mode, secret=SECRET)
     assert c.serve("warm", 2) == {"P#0": "done", "D#0": "done"}
     pr = c.admit("r", 2)
     d = c.engines["D#0"].fabric  # a peer P knows, but this message is not sealed ...
@@ -60,7 +60,7 @@ def test_with_a_secret_requests_are_served_and_unsealed_words_are_dropped(mode: 
 
 
 def test_an_engine_without_the_secret_drops_sealed_notifications() -> None:
-    c = SimCluster("push")
+    c = Cluster("push")
     assert c.serve("warm", 2) == {"P#0": "done", "D#0": "done"}
     pr = c.admit("r", 2)
     sealed = SECRET.seal("D#0", "P#0", _registration(pr.p_id, [0]))

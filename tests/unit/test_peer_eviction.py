@@ -6,18 +6,18 @@ from __future__ import annotations
 import msgspec
 
 from kvfsm.core import Mode
-from kvfsm.testing import FAST_CONFIG, SimCluster
+from kvfsm.testing import FAST_CONFIG, Cluster
 
 _CONFIG = msgspec.structs.replace(FAST_CONFIG, peer_idle_ttl_s=1.0, lease_s=10.0, watchdog_s=10.0)
 
 
-def _peer_states(c: SimCluster) -> dict[str, str]:
+def _peer_states(c: Cluster) -> dict[str, str]:
     return {f"{e.agent}->{p.id}": p.state for e in c.live_engines() for p in e.side.peers.values()}
 
 
 def test_idle_peers_are_evicted_and_reconnected_on_demand() -> None:
     for mode in ("push", "pull"):
-        c = SimCluster(mode, config=_CONFIG)  # type: ignore[arg-type]
+        c = Cluster(mode, config=_CONFIG)  # type: ignore[arg-type]
         assert c.serve("r1", 2) == {"P#0": "done", "D#0": "done"}
         assert set(_peer_states(c).values()) == {"connected"}
         remotes = [e.fabric.open_resources()["remote_agents"] for e in c.live_engines()]
@@ -33,7 +33,7 @@ def test_idle_peers_are_evicted_and_reconnected_on_demand() -> None:
 
 def test_a_peer_in_use_is_kept_past_the_ttl() -> None:
     mode: Mode = "push"
-    c = SimCluster(mode, config=_CONFIG)
+    c = Cluster(mode, config=_CONFIG)
     c.admit("slow", 2)  # P's prefill runs 5 TTLs; D's registration waits on P meanwhile
     for _ in range(10):
         c.step(0.5)

@@ -1,6 +1,6 @@
 """`kvfsm check`: a bounded exhaustive exploration of the core on the simulated fabric.
 
-1 P and 1 D engine (TP 1) on a `SimCluster`, `requests` requests (r1 of 2 blocks, r2 of 1: the
+1 P and 1 D engine (TP 1) on a `Cluster`, `requests` requests (r1 of 2 blocks, r2 of 1: the
 core sees a block count only as "none or some"), at most `max_faults` faults and `max_depth`
 actions per path. At every state each enabled action is tried: admit the next request, P or D
 first (r2 after r1: they are interchangeable); finish a prefill; abort on P or on D (once per side,
@@ -42,7 +42,7 @@ from kvfsm.cli.check._state import (
 )
 from kvfsm.core import Mode, Step
 from kvfsm.fabric import SimFaults
-from kvfsm.testing._cluster import FAST_CONFIG, SimCluster
+from kvfsm.testing._cluster import FAST_CONFIG, Cluster
 
 __all__ = ["DELAY_S", "LATE_S", "MAX_DEPTH", "CheckReport", "CheckViolation"]
 
@@ -96,7 +96,7 @@ class _Run:
     """One path replayed on a fresh cluster."""
 
     def __init__(self, mode: Mode, answers: dict[Any, Any], taken: set[Any]) -> None:
-        self.cluster = c = SimCluster(mode, faults=_FABRIC, config=_C, num_blocks=8, trace=False)
+        self.cluster = c = Cluster(mode, faults=_FABRIC, config=_C, num_blocks=8, trace=False)
         if (conformance := c.conformance) is not None:
             conformance._answers = answers  # what `transitions` answers is the same for all runs
 
@@ -170,7 +170,7 @@ class _Run:
         return acts
 
 
-def _advance(c: SimCluster, labelled: bool = False) -> str:
+def _advance(c: Cluster, labelled: bool = False) -> str:
     """Move the clock to the next due thing and let every engine poll; returns a label (if
     `labelled`: replays for the search need none)."""
     due = c.next_due()
@@ -192,7 +192,7 @@ def _advance(c: SimCluster, labelled: bool = False) -> str:
     return label
 
 
-def _inject(c: SimCluster, action: Action) -> str:
+def _inject(c: Cluster, action: Action) -> str:
     """Inject one fault, at once; returns its label."""
     kind, net = action[0], c.network
     if kind == "fail_post":
@@ -221,7 +221,7 @@ def _inject(c: SimCluster, action: Action) -> str:
     return label
 
 
-def _describe(c: SimCluster, ev: Any, when: float) -> str:
+def _describe(c: Cluster, ev: Any, when: float) -> str:
     n = Namer(c)
     if is_late_bytes(ev):
         into = ev.xfer.peer if ev.xfer.op == "WRITE" else agent_of(c, ev.gen)
@@ -235,7 +235,7 @@ def _describe(c: SimCluster, ev: Any, when: float) -> str:
     return f"{msg[0]} of {msg[1] or msg[2]} {ev.sender} -> {to} (due t={when:.4f})"
 
 
-def _may_post(c: SimCluster, agent: str) -> bool:
+def _may_post(c: Cluster, agent: str) -> bool:
     """Whether some request `agent` holds has not posted its transfer yet."""
     return any(
         not r.links or any(not link.transfer_id for link in r.links.values())
@@ -243,11 +243,11 @@ def _may_post(c: SimCluster, agent: str) -> bool:
     )
 
 
-def _holds(c: SimCluster, agent: str, request_id: str) -> bool:
+def _holds(c: Cluster, agent: str, request_id: str) -> bool:
     return agent not in c.dead and request_id in c.engines[agent].side.requests
 
 
-def _end_of_run(c: SimCluster) -> list[str]:
+def _end_of_run(c: Cluster) -> list[str]:
     """The stateful suite's teardown: every prefill finished, time run, shut down, all checked."""
     for key in sorted(c.requests):
         c.finish_prefill(key)
@@ -261,5 +261,5 @@ def _end_of_run(c: SimCluster) -> list[str]:
     return problems
 
 
-def _conformance(c: SimCluster) -> list[str]:
+def _conformance(c: Cluster) -> list[str]:
     return list(c.conformance.violations) if c.conformance is not None else []

@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from kvfsm.fabric import FabricError
-from kvfsm.testing._cluster import FAST_CONFIG, SimCluster
+from kvfsm.testing._cluster import FAST_CONFIG, Cluster
 from kvfsm.wire import WireError, decode
 
 __all__ = [
@@ -39,7 +39,7 @@ _HORIZON = max(v for v in msgspec.structs.asdict(FAST_CONFIG).values() if type(v
 _PAST = -1e9  # any time longer ago than the longest bound
 
 
-def pending_events(c: SimCluster) -> list[tuple[float, int, Any]]:
+def pending_events(c: Cluster) -> list[tuple[float, int, Any]]:
     """The network's pending notifications and transfer completions, in delivery order."""
     return sorted(getattr(c.network, "_events"), key=lambda e: (e[0], e[1]))  # noqa: B009
 
@@ -49,11 +49,11 @@ def is_late_bytes(ev: Any) -> bool:
     return hasattr(ev, "xfer")
 
 
-def agent_of(c: SimCluster, gen: int) -> str:
+def agent_of(c: Cluster, gen: int) -> str:
     return str(getattr(c.network, "_incarnations")[gen].agent_name)  # noqa: B009
 
 
-def flight_of(c: SimCluster, ev: Any) -> Any:
+def flight_of(c: Cluster, ev: Any) -> Any:
     """The live transfer a pending completion belongs to, if any."""
     agent = agent_of(c, ev.gen)
     flights = () if agent in c.dead else c.engines[agent].inflight.values()
@@ -68,7 +68,7 @@ def handshakes(engine: Any) -> list[tuple[Any, ...]]:
 class Namer:
     """Random request ids to stable names, times relative to now, and settled requests."""
 
-    def __init__(self, c: SimCluster) -> None:
+    def __init__(self, c: Cluster) -> None:
         self.now = c.now
         self.ids = {pr.p_id: f"{k}@P" for k, pr in c.requests.items()}
         self.ids.update({pr.d_id: f"{k}@D" for k, pr in c.requests.items() if pr.d_id != pr.p_id})
@@ -91,7 +91,7 @@ class Namer:
         return _PAST if at - self.now < -_HORIZON else round(at - self.now, 6)
 
 
-def fingerprint(c: SimCluster, faults: int, spent_actions: frozenset[tuple[str, ...]]) -> bytes:
+def fingerprint(c: Cluster, faults: int, spent_actions: frozenset[tuple[str, ...]]) -> bytes:
     """The state of an explored cluster, as far as it steers what can happen next: a 16-byte
     digest of `state_print` (a search of millions of states keeps ~100 bytes each, not 1-2 KB;
     a collision among 10^9 states has odds below 10^-20)."""
@@ -99,7 +99,7 @@ def fingerprint(c: SimCluster, faults: int, spent_actions: frozenset[tuple[str, 
     return hashlib.blake2b(text, digest_size=16).digest()
 
 
-def state_print(c: SimCluster, faults: int, spent_actions: frozenset[tuple[str, ...]]) -> Hashable:
+def state_print(c: Cluster, faults: int, spent_actions: frozenset[tuple[str, ...]]) -> Hashable:
     """The readable fingerprint: strings, numbers and tuples only, each part in a canonical
     order, so that equal states have equal reprs in any process."""
     n = Namer(c)
@@ -116,7 +116,7 @@ def state_print(c: SimCluster, faults: int, spent_actions: frozenset[tuple[str, 
     return (engines, network, _ledger_print(c, n), faults, spent)
 
 
-def _engine_print(c: SimCluster, agent: str, n: Namer) -> Hashable:
+def _engine_print(c: Cluster, agent: str, n: Namer) -> Hashable:
     if agent in c.dead:
         return (agent, "dead")
     engine = c.engines[agent]
@@ -170,7 +170,7 @@ def _request_print(r: Any, n: Namer) -> tuple[Any, ...]:
     )  # fmt: skip
 
 
-def _network_print(c: SimCluster, n: Namer) -> Hashable:
+def _network_print(c: Cluster, n: Namer) -> Hashable:
     events: list[Any] = []
     for when, _, ev in pending_events(c):
         if is_late_bytes(ev):
@@ -211,7 +211,7 @@ def _field(name: str, value: Any, n: Namer) -> Any:
     return n.t(value) if name == "deadline" else value
 
 
-def _ledger_print(c: SimCluster, n: Namer) -> Hashable:
+def _ledger_print(c: Cluster, n: Namer) -> Hashable:
     """The ledger's books of the requests not settled, and what settled ones still owe."""
     ledger: Any = c.ledger
     live = {k for k in c.requests if k not in n.settled}

@@ -12,7 +12,7 @@ import msgspec
 
 from kvfsm.cli.demo._report import DemoReport, time_in_state, worst_state
 from kvfsm.core import CoreConfig, Mode
-from kvfsm.testing import SIM_GEOMETRY, SimCluster
+from kvfsm.testing import SMALL_GEOMETRY, Cluster
 
 __all__ = ["run_sim_demo"]
 
@@ -30,14 +30,14 @@ def run_sim_demo(
     progress: Callable[[int], None] | None = None,
 ) -> DemoReport:
     """Drive `requests` requests of random length through P and D on the simulated fabric (with
-    `SIM_GEOMETRY`'s model; D's blocks hold `d_block_size` tokens, a multiple of P's)."""
+    `SMALL_GEOMETRY`'s model; D's blocks hold `d_block_size` tokens, a multiple of P's)."""
     cpu0 = time.process_time()
-    cluster = SimCluster(
+    cluster = Cluster(
         mode,
         seed=seed,
         config=CoreConfig(),
         num_blocks=max_blocks * 16,
-        geometry=msgspec.structs.replace(SIM_GEOMETRY, block_size=p_block_size),
+        geometry=msgspec.structs.replace(SMALL_GEOMETRY, block_size=p_block_size),
         d_block_size=d_block_size,
         p_tp=p_tp,
         d_tp=d_tp,
@@ -69,7 +69,7 @@ def run_sim_demo(
 
 
 def _report(
-    cluster: SimCluster,
+    cluster: Cluster,
     requests: int,
     histories: list[tuple[str, tuple[tuple[str, str, float], ...]]],
     cpu_s: float,

@@ -1,6 +1,6 @@
 """Run a scenario file on a P/D cluster, simulated or over real NIXL, and report what happened.
 
-The run is the stateful suite's, scripted: a `SimCluster` with the safety ledger and the model
+The run is the stateful suite's, scripted: a `Cluster` with the safety ledger and the model
 conformance check on, driven through the file's timeline. After the timeline every unfinished
 prefill finishes (the serving engine's part, as in the stateful suite's teardown) and time runs
 past every bound; then the six properties are checked at quiescence and the file's expected final
@@ -30,7 +30,7 @@ from kvfsm.cli.scenario._file import (
 )
 from kvfsm.core import Finished
 from kvfsm.fabric import SimFaults
-from kvfsm.testing._cluster import SIM_GEOMETRY, SIM_MLA_GEOMETRY, SimCluster
+from kvfsm.testing._cluster import SMALL_GEOMETRY, SMALL_MLA_GEOMETRY, Cluster
 
 __all__ = ["RequestOutcome", "ScenarioReport", "TraceEntry", "run_scenario"]
 
@@ -98,10 +98,10 @@ class _Run:
         self.fabric = fabric
         p, d = scenario.engine("P"), scenario.engine("D")
         geometry = msgspec.structs.replace(
-            SIM_MLA_GEOMETRY if p.mla else SIM_GEOMETRY, block_size=p.block_size
+            SMALL_MLA_GEOMETRY if p.mla else SMALL_GEOMETRY, block_size=p.block_size
         )
         try:
-            self.cluster = SimCluster(
+            self.cluster = Cluster(
                 scenario.mode, seed=scenario.seed, faults=SimFaults(**scenario.network),
                 config=core_config(scenario), num_blocks=p.num_blocks, geometry=geometry,
                 d_block_size=d.block_size, p_tp=p.tp, d_tp=d.tp, fabric=fabric,
