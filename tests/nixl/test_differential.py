@@ -98,7 +98,12 @@ def _received_bytes(cluster: Cluster) -> dict[str, bytes]:
     return out
 
 
-@settings(max_examples=100, suppress_health_check=[HealthCheck.too_slow])
+# Each example starts real NIXL agents (a second or more each): a sixth of the profile's examples
+# (50 in CI, over 400 in `make soak`).
+@settings(
+    max_examples=max(5, settings().max_examples // 6),
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(
     mode=st.sampled_from(["push", "pull"]),
     tp=st.sampled_from([(1, 1), (1, 2), (2, 1)]),
