@@ -8,7 +8,7 @@
 contiguous; `--regions 32` makes them 8 MiB) through P and D engines in processes of their own, exactly as `kvfsm bench` runs
 its variant (b), and prints its figures. `summarize` groups the posting rank's busy samples
 (P in push, D in pull; its loop thread, sleeps left out) into the engine's own work and the NIXL
-calls a raw loop makes too (docs/performance.md has a table of one run).
+calls a raw loop makes too (docs/performance-history.md has a table of one run).
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ History = tuple[tuple[str, str, float], ...]
 
 FlatHistory = tuple[str | float, ...]
 """A history as one flat tuple (event, state entered, time, event, ...), as the core keeps it:
-a tuple per transition held 64 bytes more (~280 a request, P and D together), and at 10,000
-requests in flight what each request holds is a cache miss away (docs/performance.md)."""
+smaller than a tuple per transition, and at 10,000 requests in flight what each request holds
+is a cache miss away (docs/performance.md)."""
 
 
 def unflatten(flat: FlatHistory) -> History:

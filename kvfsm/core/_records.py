@@ -25,7 +25,7 @@ class TransferTally(msgspec.Struct, gc=False):
     history: FlatHistory | None = None  # kept for requests only (`Side._new_request`)
     ok: int = 0
     failed: int = 0
-    reported: tuple[str, ...] = ()  # whose result came (few peers: a dict cost ~230 B more)
+    reported: tuple[str, ...] = ()  # whose result came (few peers: smaller than a dict)
 
 
 class Request(msgspec.Struct, gc=False):

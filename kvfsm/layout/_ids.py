@@ -15,8 +15,8 @@ Int64Array = npt.NDArray[np.int64]
 """A numpy array of int64: descriptor rows, descriptor ids, block ids."""
 
 _FEW_IDS = 64
-"""Up to this many ids, Python's min/max over a list beat numpy's reductions (~1.5 µs each
-whatever the size, and several times that with caches cold after a large transfer)."""
+"""Up to this many ids, Python's min/max over a list beat numpy's reductions, which cost the
+same whatever the size (docs/performance.md)."""
 
 
 def id_bounds(ids: npt.NDArray[np.integer]) -> tuple[int, int]:

@@ -1,7 +1,7 @@
 """Lifecycles: a model file loaded into a `transitions` machine, and the dispatch table derived from it.
 
 The `transitions.Machine` built here is the authority. The core does not trigger it per request (a
-trigger costs ~18 us and a model per request 9-14 KB); instead it dispatches through `Lifecycle.table`,
+trigger and a model per request cost far more than a lookup); it dispatches through `Lifecycle.table`,
 which is read off the machine object's own events and transitions, never written by hand. The test
 suite replays every step the core takes through the machine itself (`Lifecycle.replay`) and checks both
 agree. See docs/lifecycles.md.

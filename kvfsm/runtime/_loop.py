@@ -19,7 +19,7 @@ knows D, e.g. for a request P already let go).
 While its own transfers are in flight it polls every `poll_min_s` without backing off: UCX
 moves a transfer's bytes (rendezvous, shared memory) only inside the poster's progress calls.
 On Linux the loop's thread asks for a timer slack of 1 us (the default 50 us would stretch every
-short poll interval to ~70 us).
+short poll interval several times over).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The six safety properties of DESIGN.md, checked on a `Cluster` as its engines report.
+"""The six safety properties (docs/testing.md), checked on a `Cluster` as its engines report.
 
 1 terminal, 2 no early free, 3 no late write, 4 no silent corruption, 5 no leak: `Ledger`.
 6 conformance: `Conformance` replays every step the core took through the `transitions` machine.

@@ -2,7 +2,7 @@
 
 Every message is a tagged msgspec Struct; decoding validates the type of every field and the payload
 size is bounded, so a malformed notification becomes a counted `WireError`, never a crash. Block ids
-travel as packed little-endian int32 (decoding a 2,000-id list as msgpack costs ~55 us, as bytes ~1 us).
+travel as packed little-endian int32: bytes decode far faster than a msgpack list of integers.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ BlockIds = npt.NDArray[np.int32]
 
 _SUFFIX = re.compile(r"-[0-9a-fA-F]{8}\Z")
 _MAGIC = b"kv1"  # kvfsm wire version 1; anything else is not ours
-_LE_INT32 = np.dtype("<i4")  # built once: parsing the dtype string per message costs ~50 ns
+_LE_INT32 = np.dtype("<i4")  # built once, not parsed from its string per message
 
 
 class WireError(ValueError):

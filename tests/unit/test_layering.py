@@ -1,4 +1,4 @@
-"""The core is sans-I/O (DESIGN.md): no threads, sockets, NIXL, ZMQ, vLLM, sleeps or wall clock in
+"""The core is sans-I/O: no threads, sockets, NIXL, ZMQ, vLLM, sleeps or wall clock in
 kvfsm.core, kvfsm.lifecycle, kvfsm.layout or kvfsm.wire. import-linter checks the package layers in
 CI; this test also catches `time`, `os` and clock calls hidden behind aliases."""
 

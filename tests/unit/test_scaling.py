@@ -1,4 +1,4 @@
-"""Structural properties of the control plane at scale (issue 5), with no timing assertions.
+"""Structural properties of the control plane at scale, with no timing assertions.
 
 What keeps the CPU per lifecycle flat from 10 to 10,000 requests in flight, checked by counting:
 

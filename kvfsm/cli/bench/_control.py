@@ -10,8 +10,8 @@ Two measurements, each in waves of N requests admitted at once and run to `done`
 
 Figures are CPU microseconds per lifecycle, best of `repeat`. The work per lifecycle is the same
 at every N (history tracing on, as in production); the harness keeps its own cost flat too (its
-queue holds no tuple per event: at 10,000 in flight, ~30,000 such tuples made most of what the
-cycle collector traversed). `memory_per_request` counts what kvfsm holds per request mid-transfer.
+queue holds no tuple per event, which the cycle collector would traverse at every collection).
+`memory_per_request` counts what kvfsm holds per request mid-transfer.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`kvfsm bench`, the engine's rows: the kvfsm engine moving the same blocks as the raw variants,
 (b) posting one prepared row per block per region, as vLLM's connector does, and (c) coalescing
-rows adjacent on both sides before it posts (issue 5).
+rows adjacent on both sides before it posts.
 
 P and D run in processes of their own, each an `Engine` on its `EngineLoop` over NIXL with the
 handshake on a real side channel, exactly as a serving rank runs it. P admits every request and

@@ -1,5 +1,5 @@
 """`kvfsm bench`, first part: raw NIXL posted vLLM's way and with the engine's agent settings,
-against a memcpy of the same bytes (issue 5's anchors a1, a2 and d).
+against a memcpy of the same bytes (the anchors a1, a2 and d).
 
 Two processes, as P and D would be: a passive *target* that registers its KV buffer and, at the
 end, checks every byte it received (push) or served (pull, checked by the initiator), and an

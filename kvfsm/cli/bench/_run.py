@@ -1,5 +1,5 @@
 """`kvfsm bench`: transfer throughput and latency side by side on one geometry and one set of
-requests (issue 5): raw NIXL posted vLLM's way with NIXL's default agent settings (a1), raw NIXL
+requests: raw NIXL posted vLLM's way with NIXL's default agent settings (a1), raw NIXL
 with the engine's agent settings (a2; and a2 without NIXL's merging of adjacent rows, to show what
 that merging is worth), the kvfsm engine posting one row per block per region (b) and coalescing
 (c), a memcpy of the same bytes (d), and the control plane's CPU per request lifecycle at several

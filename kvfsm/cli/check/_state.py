@@ -93,8 +93,8 @@ class Namer:
 
 def fingerprint(c: Cluster, faults: int, spent_actions: frozenset[tuple[str, ...]]) -> bytes:
     """The state of an explored cluster, as far as it steers what can happen next: a 16-byte
-    digest of `state_print` (a search of millions of states keeps ~100 bytes each, not 1-2 KB;
-    a collision among 10^9 states has odds below 10^-20)."""
+    digest of `state_print`, so that a search of millions of states keeps a digest each, not
+    the whole print (a collision among 10^9 states has odds below 10^-20)."""
     text = repr(state_print(c, faults, spent_actions)).encode()
     return hashlib.blake2b(text, digest_size=16).digest()
 
