@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kvfsm.cli import main
 from kvfsm.cli.diagrams._generate import (
     check_diagrams,
     generate,
@@ -201,7 +202,7 @@ def test_write_then_check_is_clean(tmp_path: Path) -> None:
     (out / "gone").mkdir(parents=True)
     for leftover in ("old_model.md", "old_model.dot", "old_model.svg", "notes.txt"):
         (out / leftover).write_text("x\n")
-    written = write_diagrams(out, svg=False)
+    written = write_diagrams(out)
     assert set(written) == set(generate(out))
     assert check_diagrams(out) == []
     remaining = {p.name for p in out.iterdir()}
@@ -210,16 +211,40 @@ def test_write_then_check_is_clean(tmp_path: Path) -> None:
 
 
 def test_check_reports_stale_missing_and_unexpected(tmp_path: Path) -> None:
-    write_diagrams(tmp_path, svg=False)
+    write_diagrams(tmp_path)
     (tmp_path / "peer.md").write_text((tmp_path / "peer.md").read_text() + "edit\n")
     (tmp_path / "transfer.dot").unlink()
     (tmp_path / "retired.md").write_text("# gone\n")
-    (tmp_path / "retired.svg").write_text("<svg/>\n")  # SVGs are not checked
+    (tmp_path / "retired.svg").write_text("<svg/>\n")
     problems = check_diagrams(tmp_path)
-    assert len(problems) == 3
+    assert len(problems) == 4
     assert problems[0].startswith("stale:") and "peer.md" in problems[0]
     assert problems[1].startswith("missing:") and "transfer.dot" in problems[1]
     assert problems[2].startswith("unexpected:") and "retired.md" in problems[2]
+    assert problems[3].startswith("unexpected:") and "retired.svg" in problems[3]
+
+
+def test_a_committed_svg_fails_the_check_even_of_a_current_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A stale SVG cannot be told from another Graphviz version's rendering, so none is kept
+    beside the sources: `--check` fails on any, naming it and saying why."""
+    write_diagrams(tmp_path)
+    (tmp_path / "peer.svg").write_text("<svg><!-- an old drawing of peer --></svg>\n")
+    assert main(["diagrams", "--check", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "peer.svg: SVGs are not committed" in err and "is stale" in err
+    write_diagrams(tmp_path)  # regenerating removes it
+    assert not (tmp_path / "peer.svg").exists()
+    assert main(["diagrams", "--check", "--out", str(tmp_path)]) == 0
+
+
+def test_svgs_without_graphviz_are_refused_clearly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "no-bin"))
+    assert main(["diagrams", "--out", str(tmp_path / "d"), "--svg", str(tmp_path / "svg")]) == 2
+    assert "needs Graphviz's `dot`" in capsys.readouterr().err
 
 
 def test_check_of_missing_dir(tmp_path: Path) -> None:
@@ -233,7 +258,7 @@ def test_check_reports_stale_after_model_change(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     out = tmp_path / "diagrams"
-    write_diagrams(out, svg=False)
+    write_diagrams(out)
     models = tmp_path / "models"
     shutil.copytree(models_dir(), models)
     source = models / "peer.toml"
@@ -250,14 +275,14 @@ def test_check_reports_stale_after_model_change(
     cached_load.cache_clear()
     problems = check_diagrams(out)
     assert problems == [f"stale: {out / 'peer.md'} differs from its model; run `kvfsm diagrams`"]
-    write_diagrams(out, svg=False)
+    write_diagrams(out)
     assert check_diagrams(out) == []
 
 
 @pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz `dot` is not installed")
-def test_write_renders_svg(tmp_path: Path) -> None:
-    written = write_diagrams(tmp_path)
+def test_write_renders_svg_elsewhere(tmp_path: Path) -> None:
+    written = write_diagrams(tmp_path / "diagrams", svg_dir=tmp_path / "svg")
     svgs = sorted(p for p in written if p.suffix == ".svg")
     assert [p.stem for p in svgs] == sorted(MODEL_NAMES)
-    assert all(b"<svg" in p.read_bytes() for p in svgs)
-    assert check_diagrams(tmp_path) == []
+    assert all(p.parent == tmp_path / "svg" and b"<svg" in p.read_bytes() for p in svgs)
+    assert check_diagrams(tmp_path / "diagrams") == []

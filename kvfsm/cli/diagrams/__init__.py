@@ -16,8 +16,6 @@ from kvfsm.cli.diagrams._generate import (
     write_diagrams,
 )
 
-_DIAGRAMS = Path("docs/diagrams")
-
 __all__ = [
     "add_command",
     "check_diagrams",
@@ -27,12 +25,18 @@ __all__ = [
     "write_diagrams",
 ]
 
+_DIAGRAMS = Path("docs/diagrams")
+
 
 def add_command(commands: Commands) -> None:
     """`kvfsm diagrams`: the state diagrams from models/."""
     diagrams = commands.add_parser("diagrams", help="generate docs/diagrams from models/")
     diagrams.add_argument("--out", type=Path, default=_DIAGRAMS)
     diagrams.add_argument("--check", action="store_true", help="fail if they are stale")
+    diagrams.add_argument(
+        "--svg", type=Path, default=None, metavar="DIR",
+        help="also render each model as DIR/NAME.svg (needs Graphviz; SVGs are not committed)",
+    )  # fmt: skip
     diagrams.set_defaults(run=_execute)
 
 
@@ -42,10 +46,15 @@ def _execute(args: argparse.Namespace) -> int:
         for problem in problems:
             print(problem, file=sys.stderr)
         if problems:
-            print("docs/diagrams is stale: run `kvfsm diagrams`", file=sys.stderr)
+            print(f"{args.out} is stale: run `kvfsm diagrams`", file=sys.stderr)
             return 1
         print(f"{args.out} is fresh")
         return 0
-    for path in write_diagrams(args.out):
+    try:
+        written = write_diagrams(args.out, svg_dir=args.svg)
+    except RuntimeError as exc:  # no Graphviz, or dot failed
+        print(f"kvfsm diagrams: {exc}", file=sys.stderr)
+        return 2
+    for path in written:
         print(path)
     return 0
