@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-installed
 
-.PHONY: demo demo-sim test bench-vllm plots lint typecheck diagrams bench soak check-deep fuzz clean
+.PHONY: demo demo-sim test bench-vllm plots lint typecheck diagrams bench soak test-slow fuzz clean
 
 # Refuse to start an install that cannot fit: pip's own "No space left on device" comes minutes
 # in, half-way through vLLM, and leaves a broken .venv. $(1): MB needed, $(2): what for.
@@ -60,15 +60,15 @@ diagrams: $(STAMP)
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/kvfsm diagrams --check
-	CI=$${CI:-true} $(BIN)/pytest -q tests
+	CI=$${CI:-true} $(BIN)/pytest -q -m "not slow" tests
+
+# What `make test` leaves out for time: kvfsm check at its default bound (depth 9, both modes)
+# and vLLM's own NixlConnector through the end-to-end harness (docs/testing.md).
+test-slow: $(STAMP) $(VLLM_STAMP)
+	CI=$${CI:-true} $(BIN)/pytest -q -m slow tests
 
 soak: $(STAMP)
 	HYPOTHESIS_PROFILE=soak $(BIN)/pytest -q tests/stateful tests/nixl/test_differential.py -p no:cacheprovider
-
-# The exhaustive exploration at its default bound (depth 9, 2 requests, 2 faults, both modes):
-# minutes on two cores, where CI explores depth 7 in seconds (docs/testing.md).
-check-deep: $(STAMP)
-	$(BIN)/kvfsm check
 
 # Coverage-guided fuzzing (atheris, i.e. libFuzzer) of the notification codec, the side channel's
 # request and reply decoders and the scenario loader, FUZZ_SECONDS per target. Each corpus grows

@@ -14,26 +14,29 @@ import pytest
 from kvfsm.cli.demo._nixl import run_nixl_demo
 from kvfsm.core import Mode
 
-# (P TP, D TP, model, P block size, D block size)
-_SETUPS = [
-    (1, 1, "tiny", 16, 16),
-    (2, 1, "tiny", 16, 16),
-    (1, 2, "tiny", 16, 16),
-    (2, 4, "tiny", 16, 16),
-    (4, 2, "tiny", 16, 16),
-    (2, 1, "deepseek-v2-lite", 16, 16),  # replicated KV: D reads/receives one copy
-    (1, 2, "deepseek-v2-lite", 16, 16),  # replicated KV: every D rank gets a whole copy
-    (1, 1, "tiny", 16, 32),  # P's blocks half the size of D's
-    (2, 1, "tiny", 8, 32),
+# (mode, P TP, D TP, model, P block size, D block size). Each mode meets more P ranks than D and
+# fewer, replicated KV and bigger D blocks. The rows of every TP pair and block ratio are checked
+# byte for byte in tests/layout, and both modes run TP mismatches, MLA and bigger D blocks on
+# the simulated fabric (tests/stateful): on real NIXL each setup runs in one mode, 1 -> 1 in both.
+_SETUPS: list[tuple[Mode, int, int, str, int, int]] = [
+    ("push", 1, 1, "tiny", 16, 16),
+    ("pull", 1, 1, "tiny", 16, 16),
+    ("pull", 2, 1, "tiny", 16, 16),
+    ("push", 1, 2, "tiny", 16, 16),
+    ("pull", 2, 4, "tiny", 16, 16),
+    ("push", 4, 2, "tiny", 16, 16),
+    ("push", 2, 1, "deepseek-v2-lite", 16, 16),  # replicated KV: D receives one copy
+    ("pull", 1, 2, "deepseek-v2-lite", 16, 16),  # replicated KV: every D rank reads a whole copy
+    ("push", 1, 1, "tiny", 16, 32),  # P's blocks half the size of D's
+    ("pull", 2, 1, "tiny", 8, 32),
 ]
 _REQUESTS = 12
 
 
-@pytest.mark.parametrize("mode", ["push", "pull"])
 @pytest.mark.parametrize(
-    ("p_tp", "d_tp", "model", "p_bs", "d_bs"),
+    ("mode", "p_tp", "d_tp", "model", "p_bs", "d_bs"),
     _SETUPS,
-    ids=[f"{m}-tp{p}to{d}-bs{pb}to{db}" for p, d, m, pb, db in _SETUPS],
+    ids=[f"{m}-tp{p}to{d}-bs{pb}to{db}-{mode}" for mode, p, d, m, pb, db in _SETUPS],
 )
 def test_separate_processes_move_verified_kv(
     mode: Mode, p_tp: int, d_tp: int, model: str, p_bs: int, d_bs: int
