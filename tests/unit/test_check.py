@@ -140,6 +140,58 @@ def test_a_state_has_one_digest_in_every_process() -> None:
         assert out.stdout.strip() == here
 
 
+_NIXL_GARBAGE_THEN_WORKERS = """
+import gc
+import time
+import numpy as np
+import kvfsm.cli.check._search as search
+from kvfsm.fabric import NixlFabric
+
+gc.disable()  # the garbage below stays for the workers to inherit
+a, b = NixlFabric("gc-A"), NixlFabric("gc-B")
+src, dst = np.arange(16384, dtype=np.uint8), np.zeros(16384, dtype=np.uint8)
+a.register_memory(src)
+b.register_memory(dst)
+a.add_remote_agent(b.get_agent_metadata())
+b.add_remote_agent(a.get_agent_metadata())
+rows = [np.array([[x.ctypes.data, x.nbytes, 0]], dtype=np.int64) for x in (src, dst)]
+one = np.zeros(1, dtype=np.int64)
+local, remote = a.prep_xfer_dlist(None, rows[0]), a.prep_xfer_dlist(b.agent_name, rows[1])
+handle = a.make_prepped_xfer("WRITE", local, one, remote, one, b"w")
+state, end = a.transfer(handle), time.monotonic() + 60
+while state == "PROC" and time.monotonic() < end:  # UCX opens its endpoints (TCP, loopback)
+    state = a.check_xfer_state(handle)
+    b.get_new_notifs()
+assert state == "DONE", state
+cycle = [a, b, src, dst]
+cycle.append(cycle)
+del a, b, src, dst, cycle, local, remote, handle  # garbage a collection would finalise
+
+start = search._start_worker
+def start_and_collect(mode, report):  # what a worker's collector does sooner or later
+    start(mode, report)
+    gc.collect()
+search._start_worker = start_and_collect  # forked workers run it as patched here
+
+assert search.run_check("push", max_faults=0, requests=1, max_depth=3, workers=2).paths > 0
+gc.enable()
+gc.collect()  # the agents close here, in the process that owns them
+print("survived")
+"""
+
+
+def test_workers_leave_a_nixl_agent_they_inherited_alone() -> None:
+    """Workers are forked: had one finalised a NIXL agent it inherited as garbage (a test run in
+    the same process leaves some), it would have torn down UCX endpoints whose epoll set the
+    parent shares, and the parent aborted when it collected the agent itself (UCX: "unable to
+    modify event set"). Seen when the suite ran on two xdist workers."""
+    out = subprocess.run(
+        [sys.executable, "-c", _NIXL_GARBAGE_THEN_WORKERS], capture_output=True, text=True,
+        timeout=120, check=False, env={**os.environ, "NIXL_LOG_LEVEL": "WARN"},
+    )  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip() == "survived", out.stderr[-2000:]
+
+
 def test_bad_bounds_are_refused() -> None:
     with pytest.raises(ValueError, match="workers >= 1"):
         run_check("push", workers=0)

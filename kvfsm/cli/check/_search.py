@@ -15,6 +15,7 @@ the search keeps the first.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import time
@@ -226,13 +227,21 @@ class _Replayers:
             # (a test's patched method included); elsewhere they import it afresh.
             # Python 3.12 warns of forking beside other threads (a test process has some): the
             # workers run only the simulation, which takes no lock those threads may hold.
+            # The collector is frozen across the fork: a worker's collections then never
+            # finalise what it inherited, such as a NIXL agent left for garbage by a test run
+            # in this process, whose UCX endpoints share an epoll set with this process.
             methods = mp.get_all_start_methods()
             ctx = mp.get_context("fork" if "fork" in methods else None)
-            with warnings.catch_warnings():
-                warnings.filterwarnings(
-                    "ignore", "This process .* is multi-threaded", DeprecationWarning
-                )
-                self.pool = ctx.Pool(workers, _start_worker, (mode, report))
+            gc.collect()
+            gc.freeze()
+            try:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings(
+                        "ignore", "This process .* is multi-threaded", DeprecationWarning
+                    )
+                    self.pool = ctx.Pool(workers, _start_worker, (mode, report))
+            finally:
+                gc.unfreeze()
 
     def __enter__(self) -> Callable[[Level], Iterator[_Found]]:
         return self.replay
