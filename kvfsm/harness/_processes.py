@@ -58,14 +58,14 @@ class RankProcesses:
         """Each rank's listener port, once every rank has said it is ready."""
         ports: dict[str, int] = {}
         deadline = time.monotonic() + timeout
-        while len(ports) < len(self.pipes):
-            left = set(self.pipes) - set(ports)
+        while left := set(self.pipes) - set(ports):
             for agent, conn in self.readable(max(0.0, deadline - time.monotonic()), left):
                 msg = conn.recv()
                 if msg[0] != "ready":
                     raise RuntimeError(f"rank {agent} failed to start: {msg!r}")
                 ports[agent] = msg[1]
-            if time.monotonic() > deadline or self.dead():
+            left = set(self.pipes) - set(ports)
+            if left and (time.monotonic() > deadline or self.dead()):
                 raise RuntimeError(f"rank processes did not all start: {sorted(left)}")
         return ports
 
