@@ -69,6 +69,8 @@ FAST_CONFIG = CoreConfig(
 )
 """Short bounds so a simulated run reaches every deadline in a few simulated seconds."""
 
+_REAL_STEP_S = 1e-3  # the longest a step waits on real NIXL: messages travel in microseconds
+
 
 def _side_geometries(
     geometry: KvGeometry, num_blocks: int, d_block_size: int | None, p_tp: int, d_tp: int
@@ -318,8 +320,12 @@ class Cluster:
             engine.fabric.close()
 
     def step(self, dt: float) -> None:
-        """Advance the clock by `dt`, then let every live engine poll."""
-        if not self.real:
+        """Advance the clock by `dt`, then let every live engine poll. On real NIXL time passes
+        on its own: a step waits `dt`, at most a millisecond, so that a run waiting for real
+        deadlines polls as an engine loop does instead of spinning a core."""
+        if self.real:
+            time.sleep(min(dt, _REAL_STEP_S))
+        else:
             self.network.advance(dt)
         for agent, engine in self.engines.items():
             if agent not in self.dead:
