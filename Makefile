@@ -58,9 +58,11 @@ typecheck: $(STAMP) $(VLLM_STAMP)
 diagrams: $(STAMP)
 	$(BIN)/kvfsm diagrams
 
+# Two xdist workers, one test file each at a time: a file's fixtures (NIXL agents, vLLM engines)
+# stay in one process, and the 2-core CI machine is kept busy while one file waits on I/O.
 test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/kvfsm diagrams --check
-	CI=$${CI:-true} $(BIN)/pytest -q -m "not slow" tests
+	CI=$${CI:-true} $(BIN)/pytest -q -m "not slow" -n 2 --dist loadfile tests
 
 # What `make test` leaves out for time: kvfsm check at its default bound (depth 9, both modes)
 # and vLLM's own NixlConnector through the end-to-end harness (docs/testing.md).

@@ -1,4 +1,4 @@
-"""Hypothesis profiles and the transition coverage report.
+"""Hypothesis profiles and the transition coverage report (over every xdist worker).
 
 CI (``CI=true``) runs derandomised with a fixed budget; ``HYPOTHESIS_PROFILE=soak`` runs the long
 local soak; anything else gets a quick randomised profile.
@@ -24,8 +24,26 @@ _default = "ci" if os.environ.get("CI") else "dev"
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", _default))
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """On an xdist worker: hand the transitions this process took to the controller."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        from kvfsm.testing import COVERAGE
+
+        workeroutput["coverage"] = [[*key, n] for key, n in COVERAGE.items()]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    """On the xdist controller: add a finished worker's transitions to this process's."""
+    from kvfsm.testing import COVERAGE
+
+    for *key, n in getattr(node, "workeroutput", {}).get("coverage", []):
+        COVERAGE[tuple(key)] += n
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """Print which model transitions the run never took."""
+    """Print which model transitions the run never took (every worker's, under xdist)."""
     from kvfsm.testing import COVERAGE, untaken_transitions
 
     if not COVERAGE:
