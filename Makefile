@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-installed
 
-.PHONY: demo demo-sim test bench-vllm plots lint typecheck diagrams bench soak test-slow fuzz clean
+.PHONY: demo demo-sim test check bench-vllm plots lint typecheck diagrams bench soak test-slow fuzz clean
 
 # Refuse to start an install that cannot fit: pip's own "No space left on device" comes minutes
 # in, half-way through vLLM, and leaves a broken .venv. $(1): MB needed, $(2): what for.
@@ -63,6 +63,12 @@ diagrams: $(STAMP)
 test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/kvfsm diagrams --check
 	CI=$${CI:-true} $(BIN)/pytest -q -m "not slow" -n 2 --dist loadfile tests
+
+# The exhaustive check at CI's bound (depth 9, both modes, one worker per CPU; minutes): CI runs
+# it beside `make test`, whose pytest explores depth 7. CHECK_DEPTH=11 and up for a deeper run.
+CHECK_DEPTH ?= 9
+check: $(STAMP)
+	$(BIN)/kvfsm check --mode both --depth $(CHECK_DEPTH)
 
 # What `make test` leaves out for time: kvfsm check at its default bound (depth 9, both modes)
 # and vLLM's own NixlConnector through the end-to-end harness (docs/testing.md).

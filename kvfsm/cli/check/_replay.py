@@ -48,8 +48,8 @@ __all__ = ["DELAY_S", "LATE_S", "MAX_DEPTH", "CheckReport", "CheckViolation"]
 
 MAX_DEPTH = 9
 """Actions per path at most by default (a path cut here still gets the end-of-run checks): both
-modes, 2 requests and 2 faults explore in minutes on two cores as two workers (`make
-test-slow`; `make test` explores a shallower bound, docs/testing.md)."""
+modes, 2 requests and 2 faults explore in minutes on two cores as two workers: CI's bound
+(`make check`; `make test`'s pytest explores a shallower one, docs/testing.md)."""
 DELAY_S = 2.5
 """The delay fault: past the stall bound, the lease, the watchdog and P's stall bound."""
 LATE_S = 0.5
