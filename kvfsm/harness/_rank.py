@@ -138,13 +138,13 @@ def open_rank(
     handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
     secret: bytes = b"",
 ) -> Rank:
-    """A NIXL agent for `core`'s side with `kv` registered, its engine, the ZMQ directory that
-    reaches peers' listeners (validating their payloads against `kv`'s geometry) and its own
-    listener on `host:port` (port 0: a free one); a handshake waits `handshake_timeout_s` for a
-    peer's listener. The caller drives the engine (an `EngineLoop`, whose `wake` the directory's
-    `on_result` should call) and closes the rank with `close_rank`. `secret` (if not empty):
-    handshakes and notifications are authenticated with it; the engine takes notifications only
-    from peers that completed a handshake."""
+    """A NIXL agent for `core`'s side with `kv` registered (host or CUDA memory, as `kv` is), its
+    engine, the ZMQ directory that reaches peers' listeners (validating their payloads against
+    `kv`'s geometry) and its own listener on `host:port` (port 0: a free one); a handshake waits
+    `handshake_timeout_s` for a peer's listener. The caller drives the engine (an `EngineLoop`,
+    whose `wake` the directory's `on_result` should call) and closes the rank with `close_rank`.
+    `secret` (if not empty): handshakes and notifications are authenticated with it; the engine
+    takes notifications only from peers that completed a handshake."""
     from kvfsm.fabric import NixlFabric
     from kvfsm.runtime import Engine, Guests
     from kvfsm.sidechannel import HandshakeListener, ZmqDirectory, payload_of, validate
@@ -152,7 +152,9 @@ def open_rank(
 
     shared = SharedSecret(secret) if secret else None
 
-    fabric = NixlFabric(core.identity.agent, ucx_error_handling=ucx_error_handling)
+    fabric = NixlFabric(
+        core.identity.agent, ucx_error_handling=ucx_error_handling, mem_type=kv.mem_type
+    )
     addresses: dict[str, tuple[str, int]] = {}
     check = functools.partial(
         validate, expect_mode=core.mode, local=kv.geometry, local_is_p=core.side == "P"
