@@ -80,7 +80,8 @@ def bench_table(report: dict[str, object]) -> None:
     """Print `kvfsm bench`'s figures: one row per variant, ratios to the vLLM-style anchor."""
     console = Console()
     title = (
-        f"kvfsm bench: {report['op']} ({report['mode']}), {report['allocation']} blocks,"
+        f"kvfsm bench: {report['op']} ({report['mode']}) in {report['memory']},"
+        f" {report['allocation']} blocks,"
         f" {report['descriptors_per_request']} descriptors of {report['block_bytes']} B per request"
         f"; each variant's median of {report['repeat']} runs"
     )
@@ -103,7 +104,7 @@ def bench_table(report: dict[str, object]) -> None:
         ("a2 raw, unmerged", "raw_unmerged"),
         ("b  engine per block", "engine"),
         ("c  engine coalesced", "coalesced"),
-        ("d  memcpy", "memcpy"),
+        ("d  memcpy" if report["memory"] == "dram" else "d  device copy", "memcpy"),
     ]
     for label, key in rows:
         value = float(report[f"{key}_gbps"])  # type: ignore[arg-type]
@@ -125,6 +126,13 @@ def bench_table(report: dict[str, object]) -> None:
     console.print(
         f"engine {report['engine_extra_us_per_request']:+.0f} µs a request over raw NIXL's"
         f" {raw_us:.0f} (b/a2 >= 0.95 allows {raw_us / 19:.0f})"
+    )
+    hops: dict[str, float | None] = report["handoff_hops_us"]  # type: ignore[assignment]
+    steps = " + ".join(f"{name} {'?' if us is None else f'{us:.0f}'}" for name, us in hops.items())
+    console.print(
+        f"hand-off p50 {report['handoff_us_p50']:.0f} µs (p99 {report['handoff_us_p99']:.0f})"
+        f" against raw NIXL's post to notification drained {report['raw_notified_us_p50']:.0f}"
+        f" (p99 {report['raw_notified_us_p99']:.0f}); hops' medians in µs: {steps}"
     )
     control = report.get("control_us_per_request")
     engine = report.get("control_engine_us_per_request")

@@ -11,9 +11,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from kvfsm.cli import main
 from kvfsm.cli._render import bench_table
+from kvfsm.cli.bench._engine import HOPS
 from kvfsm.cli.bench._raw import BenchPlan, buffer_of, check_sink, churned_free_queue, plan_requests
 
 _SMALL = ["--block-kib", "4", "--blocks", "64", "--regions", "2", "--requests", "8"]
@@ -65,6 +67,14 @@ def test_bench_reports_every_variant_with_bytes_verified(
         assert 2 <= coalesced <= 8
     assert set(report["control_us_per_request"]) == {"5", "50"}
     assert all(us > 0 for us in report["control_engine_us_per_request"].values())
+    # Latency like for like: every request's notification drained at the raw target, and every
+    # hop of the engine's hand-offs reached (the figures themselves are the benchmark's).
+    assert report["memory"] == "dram" and report["inflight"] == 4
+    assert 0 < report["raw_notified_us_p50"] <= report["raw_notified_us_p99"]
+    assert 0 < report["handoff_us_p50"] <= report["handoff_us_p99"]
+    hops = report["handoff_hops_us"]
+    assert set(hops) == {name for name, _, _ in HOPS[mode]}
+    assert all(us is not None for us in hops.values())
 
 
 def test_the_byte_check_fails_on_a_wrong_byte() -> None:
@@ -89,6 +99,15 @@ def test_plans_are_disjoint_and_fragmented_ones_are_not_runs() -> None:
         plan_requests(requests=9, blocks=8, num_blocks=64, allocation="contiguous", seed=0)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")
+def test_vram_without_a_cuda_device_is_refused_in_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["bench", "--memory", "vram", *_SMALL]) == 2
+    err = capsys.readouterr().err
+    assert err == "kvfsm bench: --memory vram needs a CUDA device, and torch sees none here\n"
+
+
 def test_bench_refuses_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--requests", "0"]) == 2
     assert "at least 1" in capsys.readouterr().err
@@ -107,6 +126,9 @@ def test_the_table_shows_every_row(
     assert all(s in out for s in (*rows, "control", "every byte verified"))
     assert "b/a2 " in out and "round by round: " in out and "c/a1 " in out
     assert "µs a request over raw NIXL's" in out and "b/a2 >= 0.95 allows" in out
+    words = " ".join(out.split())  # the console wraps lines as it likes
+    assert "hand-off p50" in words and "post to notification drained" in words
+    assert all(f"{name} " in words for name, _, _ in HOPS["push"])  # every hop, named
 
 
 def test_a_churned_free_queue_holds_every_block_once_in_broken_runs() -> None:

@@ -1,5 +1,6 @@
 """How `kvfsm bench` turns its rounds into a report: each variant's median run, every run in
-round order, b/a2 paired within each round, and the engine's extra time per request. The runs
+round order, b/a2 paired within each round, the engine's extra time per request, and latency like
+for like, hop by hop. The runs
 are stand-ins with known wall times (the real variants, with NIXL, are in
 tests/nixl/test_bench.py): the aggregation is what is tested here, and with real runs no test
 can know which order the rounds came in."""
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 
 import kvfsm.cli.bench._run as bench
+from kvfsm.cli.bench._engine import HOPS, handoff_hops
 from kvfsm.cli.bench._raw import BenchPlan
 
 # Wall seconds of each variant's run, round by round.
@@ -23,9 +25,11 @@ def _stand_in(walls: list[float]) -> Callable[[BenchPlan], dict[str, Any]]:
 
     def run(plan: BenchPlan) -> dict[str, Any]:
         rows = len(plan.src[0]) * plan.regions * len(plan.src)
+        wall = next(rounds)
         return {
-            "wall_s": next(rounds), "latency_s": [1e-3], "cpu_s": 1e-3, "verified": True,
-            "descriptors": rows, "fabric_descriptors": rows,
+            "wall_s": wall, "latency_s": [wall * 1e-3], "cpu_s": 1e-3, "verified": True,
+            "descriptors": rows, "fabric_descriptors": rows, "notified_s": [wall * 2e-3],
+            "hops_s": {name: [wall * 1e-4] for name, _, _ in HOPS["push"]},
         }  # fmt: skip
 
     return run
@@ -54,3 +58,20 @@ def test_rounds_keep_their_order_and_b_over_a2_is_paired_within_each(
     assert report["raw_time_us_per_request"] == pytest.approx(1e6)
     assert report["engine_extra_us_per_request"] == pytest.approx(0.25e6)
     assert len(steps) == bench.steps(options) and report["verified"] is True
+    # Latency from the same medians: a2's post to notification drained, b's hand-off and hops.
+    assert report["raw_notified_us_p50"] == pytest.approx(2 * 2e3)
+    assert report["handoff_us_p50"] == report["handoff_us_p99"] == pytest.approx(2.5e3)
+    assert report["handoff_hops_us"] == pytest.approx({n: 2.5e2 for n, _, _ in HOPS["push"]})
+    assert report["memory"] == "dram"
+
+
+def test_hops_run_from_each_point_to_the_next_and_skip_a_point_never_reached() -> None:
+    entered = {
+        "P": {"bench0": {"on registration": 1.5, "writing": 1.75, "done": 3.0}, "bench1": {}},
+        "D": {"bench0": {"registered": 1.25, "done": 3.5}, "bench1": {"registered": 11.0}},
+    }
+    hops = handoff_hops("push", {"bench0": 1.0, "bench1": 10.0}, entered, {"bench0": 4.0})
+    assert hops == {
+        "D registers": [0.25, 1.0], "registration at P": [0.25], "post": [0.25],
+        "DONE at P": [1.25], "notification at D": [0.5], "report": [0.5],
+    }  # fmt: skip

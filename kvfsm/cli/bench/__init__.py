@@ -11,6 +11,7 @@ import sys
 
 from kvfsm.cli._parsing import Commands
 from kvfsm.cli._render import bench_table, progress_bar
+from kvfsm.cli.bench._memory import MEMORIES, unavailable
 from kvfsm.cli.bench._run import BenchOptions, run_bench, steps
 
 __all__ = ["BenchOptions", "add_command", "run_bench"]
@@ -28,6 +29,10 @@ def add_command(commands: Commands) -> None:
     bench.add_argument(
         "--allocation", choices=["contiguous", "fragmented", "realistic"], default="contiguous",
         help="how requests' blocks lie: runs, a shuffled free list, or an allocator after churn",
+    )  # fmt: skip
+    bench.add_argument(
+        "--memory", choices=MEMORIES, default="dram",
+        help="where both KV caches are: host memory, or one CUDA device's (registered as VRAM)",
     )  # fmt: skip
     bench.add_argument("--block-kib", type=int, default=16, help="bytes of one block in one region")
     bench.add_argument("--blocks", type=int, default=2048, help="blocks per region")
@@ -57,13 +62,16 @@ def add_command(commands: Commands) -> None:
 
 
 def _execute(args: argparse.Namespace) -> int:
+    if reason := unavailable(args.memory):
+        print(f"kvfsm bench: {reason}", file=sys.stderr)
+        return 2
     try:
         options = BenchOptions(
             mode=args.mode, allocation=args.allocation, block_kib=args.block_kib,
             num_blocks=args.blocks, regions=args.regions, requests=args.requests,
             blocks_per_request=args.blocks_per_request, inflight=args.inflight, seed=args.seed,
             control_in_flight=tuple(args.control_in_flight), control_total=args.control_total,
-            ucx_error_handling=args.ucx_error_handling, repeat=args.repeat,
+            ucx_error_handling=args.ucx_error_handling, repeat=args.repeat, memory=args.memory,
         )  # fmt: skip
     except ValueError as exc:
         print(f"kvfsm bench: {exc}", file=sys.stderr)

@@ -7,6 +7,9 @@ handshake on a real side channel, exactly as a serving rank runs it. P admits ev
 finishes its prefill up front; D then admits them with at most `plan.inflight` waiting, so the
 figures include everything the engine does per request (registration, matching, the transfer,
 its completion notification). D, the sink in both modes, checks every byte at the end.
+
+Each request's hand-off runs from D's admission (P's prefill has finished by then) to D's report,
+and is split into hops from both sides' traces (`HOPS`): where the time beyond the copy goes.
 """
 
 from __future__ import annotations
@@ -24,15 +27,37 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvfsm.cli.bench._raw import BenchPlan, buffer_of, check_sink, recv_bounded
+from kvfsm.cli.bench._memory import on_host
+from kvfsm.cli.bench._raw import BenchPlan, check_sink, kv_buffer, recv_bounded
 from kvfsm.core import ReportFailed, ReportReceived
 from kvfsm.layout import KvGeometry
 from kvfsm.runtime import RequestTrace
 
-__all__ = ["bench_geometry", "run_engine_variant"]
+__all__ = ["HOPS", "bench_geometry", "handoff_hops", "run_engine_variant"]
 
 _TOKENS, _DTYPE = 16, 2
 _BOUND_S = 120.0
+
+HOPS: dict[str, tuple[tuple[str, str, str], ...]] = {
+    "push": (
+        ("D registers", "D", "registered"),
+        ("registration at P", "P", "on registration"),
+        ("post", "P", "writing"),
+        ("DONE at P", "P", "done"),
+        ("notification at D", "D", "done"),
+        ("report", "D", "reported"),
+    ),
+    "pull": (
+        ("D registers", "D", "registered"),
+        ("registration at P", "P", "on registration"),
+        ("post", "D", "reading"),
+        ("DONE at D", "D", "done"),
+        ("report", "D", "reported"),
+    ),
+}
+"""A hand-off's points in order, by mode: (hop's name, side, what happens there: a state entered,
+"on" an event, or "reported": the driver has D's report). A hop's time runs from the point
+before it (D's admission first)."""
 
 
 def bench_geometry(plan: BenchPlan) -> KvGeometry:
@@ -62,7 +87,7 @@ def _rank(side: str, plan: BenchPlan, coalesce: bool, conn: Connection) -> None:
     mode: Mode = "push" if plan.op == "WRITE" else "pull"
     g = bench_geometry(plan)
     core = (Producer if is_p else Consumer)(Identity(side), mode, CoreConfig())
-    buf = buffer_of(plan, is_p)
+    buf = kv_buffer(plan, is_p)
     rank = open_rank(
         core, KvCache(g, [buf]), coalesce=coalesce,
         compat_hash=compat_hash(
@@ -80,7 +105,7 @@ def _rank(side: str, plan: BenchPlan, coalesce: bool, conn: Connection) -> None:
         serve = _producer if is_p else _consumer
         result = serve(plan, loop, outputs, conn)
         if not is_p:
-            result["verified"] = result["verified"] and check_sink(plan, buf)
+            result["verified"] = result["verified"] and check_sink(plan, on_host(buf))
         conn.send(("ok", result))
     except Exception as exc:  # report, the driver fails the run saying why
         conn.send(("error", f"{side}: {exc!r}"))
@@ -96,6 +121,7 @@ class _Outputs:
     def __init__(self) -> None:
         self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.traced = self.posted = self.moved = 0  # guarded by _ended
+        self.entered: dict[str, dict[str, float]] = {}  # request -> point -> first reached
         self._ended = threading.Condition()
 
     def put(self, out: Any) -> None:
@@ -110,20 +136,28 @@ class _Outputs:
                     # Rows the engine posted, and rows NIXL moved after its own merging.
                     self.posted += out.stats.descriptors
                     self.moved += out.stats.fabric_descriptors
+                    entered: dict[str, float] = {}
+                    for event, state, t in out.history:
+                        entered.setdefault(state, t)
+                        entered.setdefault(f"on {event}", t)
+                    self.entered[out.request_id.split("-")[0]] = entered
                 self._ended.notify_all()
 
     def get(self, deadline: float) -> Any:
         """The next report (D), waiting until `deadline` at most."""
         return self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
 
-    def until_finished(self, n: int, deadline: float) -> dict[str, int]:
+    def until_finished(self, n: int, deadline: float) -> dict[str, Any]:
         """Wait for the n-th request to end and its trace to arrive."""
         with self._ended:
             if not self._ended.wait_for(
                 lambda: self.traced >= n, max(0.0, deadline - time.monotonic())
             ):
                 raise TimeoutError(f"{self.traced} of {n} requests ended")
-        return {"descriptors": self.posted, "fabric_descriptors": self.moved}
+            return {
+                "descriptors": self.posted, "fabric_descriptors": self.moved,
+                "entered": dict(self.entered),
+            }  # fmt: skip
 
 
 def _producer(plan: BenchPlan, loop: Any, outputs: _Outputs, conn: Connection) -> dict[str, Any]:
@@ -160,21 +194,27 @@ def _consumer(plan: BenchPlan, loop: Any, outputs: _Outputs, conn: Connection) -
     conn.send(("warm",))
     conn.recv()  # go
     started: dict[str, float] = {}
-    latencies: list[float] = []
+    admitted: dict[str, float] = {}
+    reported: dict[str, float] = {}
     failed = 0
-    cpu0, t0 = time.process_time(), time.perf_counter()
+    cpu0, t0 = time.process_time(), time.monotonic()
     deadline = time.monotonic() + _BOUND_S
     for i in range(len(plan.dst) + plan.inflight):
         while started and (len(started) >= plan.inflight or i >= len(plan.dst)):
             out = outputs.get(deadline)
             if isinstance(out, ReportReceived | ReportFailed):
-                latencies.append(time.perf_counter() - started.pop(out.request_id))
+                started.pop(out.request_id)
+                reported[out.request_id.split("-")[0]] = time.monotonic()
                 failed += isinstance(out, ReportFailed)
         if i < len(plan.dst):
-            started[_rid(i, "b")] = time.perf_counter()
+            started[_rid(i, "b")] = admitted[f"bench{i}"] = time.monotonic()
             loop.submit(Admit(_rid(i, "b"), _ids(plan.dst[i]), "P", 1, _rid(i, "a")))
-    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    figures = {"wall_s": wall, "cpu_s": cpu, "latency_s": latencies, "verified": failed == 0}
+    wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
+    latencies = [reported[key] - at for key, at in admitted.items()]
+    figures = {
+        "wall_s": wall, "cpu_s": cpu, "latency_s": latencies, "verified": failed == 0,
+        "admitted": admitted, "reported": reported,
+    }  # fmt: skip
     return figures | outputs.until_finished(len(plan.dst) + 1, deadline)
 
 
@@ -221,11 +261,34 @@ def run_engine_variant(plan: BenchPlan, *, coalesce: bool) -> dict[str, Any]:
             if proc.is_alive():
                 proc.kill()
     poster = p if plan.op == "WRITE" else d
+    mode = "push" if plan.op == "WRITE" else "pull"
     return {
         "wall_s": d["wall_s"], "latency_s": d["latency_s"], "cpu_s": poster["cpu_s"],
         "verified": d["verified"], "descriptors": poster["descriptors"],
         "fabric_descriptors": poster["fabric_descriptors"],
+        "hops_s": handoff_hops(mode, d["admitted"], {"P": p["entered"], "D": d["entered"]},
+                               d["reported"]),
     }  # fmt: skip
+
+
+def handoff_hops(
+    mode: str,
+    admitted: dict[str, float],
+    entered: dict[str, dict[str, dict[str, float]]],
+    reported: dict[str, float],
+) -> dict[str, list[float]]:
+    """Each hop's seconds (`HOPS[mode]`), one per request, from when D admitted each request,
+    when each side's trace entered each state or took each event and when D reported it (all `time.monotonic`: one
+    clock for every process of a host). A point a request never reached ends no hop of it."""
+    hops: dict[str, list[float]] = {name: [] for name, _, _ in HOPS[mode]}
+    for key, start in admitted.items():
+        before = start
+        for name, side, point in HOPS[mode]:
+            at = reported.get(key) if point == "reported" else entered[side].get(key, {}).get(point)
+            if at is not None:
+                hops[name].append(at - before)
+                before = at
+    return hops
 
 
 def _expect(conn: Connection, who: str, what: str, procs: Sequence[BaseProcess]) -> Any:

@@ -6,7 +6,9 @@ end, checks every byte it received (push) or served (pull, checked by the initia
 *initiator* that loads the target's agent, prepares one descriptor per block per region (the
 prepped path, as vLLM's connector posts) and posts every request's transfer with a bounded
 number in flight. Both fill the source side from the same seed, so the sink can check each
-transferred byte without shipping the data.
+transferred byte without shipping the data. Every transfer carries a notification, as the
+engine's do: the target takes note of when it drained each one, so that raw NIXL's latency can
+also be measured up to the moment the other side learns of the transfer.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvfsm.fabric import UcxErrorHandling, XferHandle
+from kvfsm.cli.bench._memory import Memory, allocate, copy_gbps, on_host
+from kvfsm.fabric import UcxErrorHandling, XferHandle, buffer_span
 
 __all__ = [
     "BenchPlan",
@@ -33,6 +36,7 @@ __all__ = [
     "buffer_of",
     "check_sink",
     "gbps",
+    "kv_buffer",
     "memcpy_gbps",
     "plan_requests",
     "recv_bounded",
@@ -50,7 +54,7 @@ _SETTINGS: dict[str, tuple[bool, bool, bool]] = {
     "raw_unmerged": (False, True, False),
 }
 _BOUND_S = 120.0
-_TARGET_POLL_S = 200e-6
+_TARGET_POLL_S = 0.0  # no sleep: the target drains as soon as it can, raw NIXL at its best
 _REAP_S = 5.0  # a process whose sentinel fired has exited: reaping it takes no longer
 
 
@@ -67,10 +71,17 @@ class BenchPlan(msgspec.Struct, frozen=True, kw_only=True):
     seed: int = 0
     ucx_error_handling: UcxErrorHandling = "peer"
     """kvfsm's setting for its own variants; the vLLM-style anchor keeps NIXL's default."""
+    memory: Memory = "dram"
+    """Where both sides' KV caches are: host memory, or the CUDA device's."""
 
     def error_handling(self, variant: str) -> UcxErrorHandling:
         """The UCX error handling mode a variant's agents run with."""
         return "peer" if variant == "raw_vllm_style" else self.ucx_error_handling
+
+    @property
+    def mem_type(self) -> str:
+        """NIXL's name for the plan's memory."""
+        return self.memory.upper()
 
     @property
     def region_bytes(self) -> int:
@@ -137,11 +148,18 @@ def buffer_of(plan: BenchPlan, source: bool) -> npt.NDArray[np.uint8]:
     return np.random.default_rng(plan.seed).integers(0, 256, size, dtype=np.uint8)
 
 
-def _rows(plan: BenchPlan, base: int) -> npt.NDArray[np.int64]:
+def kv_buffer(plan: BenchPlan, source: bool) -> Any:
+    """`buffer_of` in the plan's memory (a CUDA tensor for VRAM)."""
+    return allocate(buffer_of(plan, source), plan.memory)
+
+
+def _rows(plan: BenchPlan, base: int, device: int) -> npt.NDArray[np.int64]:
     """One descriptor per block per region, region-major: row = region * num_blocks + block."""
     r, b = np.divmod(np.arange(plan.regions * plan.num_blocks), plan.num_blocks)
     addr = base + r * plan.region_bytes + b * plan.block_bytes
-    return np.stack([addr, np.full_like(addr, plan.block_bytes), np.zeros_like(addr)], axis=1)
+    return np.stack(
+        [addr, np.full_like(addr, plan.block_bytes), np.full_like(addr, device)], axis=1
+    )
 
 
 def _ids(plan: BenchPlan, blocks: list[int]) -> npt.NDArray[np.int64]:
@@ -160,26 +178,38 @@ def check_sink(plan: BenchPlan, sink: npt.NDArray[np.uint8]) -> bool:
 
 def serve_target(plan: BenchPlan, variant: Variant, conn: Connection) -> None:
     """The passive side of a raw run, in a process of its own: register the buffer, send
-    (agent metadata, buffer address), progress UCX until the initiator says it is done, then
-    send whether every byte arrived (True on the source side)."""
+    (agent metadata, buffer address, device), drain notifications until the initiator says it
+    is done, then send whether every byte arrived (True on the source side) and when each
+    notification was drained (`time.monotonic`, by message)."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     from kvfsm.fabric import NixlFabric
 
     thread, telemetry, _ = _SETTINGS[variant]
     fabric = NixlFabric(
         "bench-target", progress_thread=thread, telemetry=telemetry,
-        ucx_error_handling=plan.error_handling(variant),
+        ucx_error_handling=plan.error_handling(variant), mem_type=plan.mem_type,
     )  # fmt: skip
     source = plan.op == "READ"  # the initiator READs from us, or WRITEs into us
-    buf = buffer_of(plan, source)
+    buf = kv_buffer(plan, source)
     handle = fabric.register_memory(buf)
-    conn.send((fabric.get_agent_metadata(), int(buf.ctypes.data)))
+    span = buffer_span(buf)
+    conn.send((fabric.get_agent_metadata(), span.address, span.device))
     # Without NIXL's progress thread the target must progress UCX itself (TCP rendezvous needs
     # both ends), as an engine loop does by draining notifications between its waits.
+    drained: dict[bytes, float] = {}
+
+    def drain() -> None:
+        for messages in fabric.get_new_notifs().values():
+            now = time.monotonic()
+            drained.update((m, now) for m in messages)
+
     while not conn.poll(_TARGET_POLL_S):
-        fabric.get_new_notifs()
-    conn.recv()  # the initiator is done
-    conn.send(True if source else check_sink(plan, buf))
+        drain()
+    expected = conn.recv()  # the initiator is done: this many notifications are due
+    deadline = time.monotonic() + _BOUND_S
+    while len(drained) < expected and time.monotonic() < deadline:
+        drain()  # a notification may trail its transfer's DONE at the initiator
+    conn.send((True if source else check_sink(plan, on_host(buf)), drained))
     fabric.deregister_memory(handle)
     fabric.close()
 
@@ -188,7 +218,7 @@ class RawInitiator:
     """The initiator of a raw variant, ready to post: its agent with `variant`'s settings, its
     buffer registered, the target loaded, both descriptor lists prepared."""
 
-    def __init__(self, plan: BenchPlan, variant: Variant, remote: tuple[bytes, int]) -> None:
+    def __init__(self, plan: BenchPlan, variant: Variant, remote: tuple[bytes, int, int]) -> None:
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
         from kvfsm.fabric import NixlFabric
 
@@ -196,27 +226,29 @@ class RawInitiator:
         self.plan, self.telemetry = plan, telemetry
         self.fabric = NixlFabric(
             "bench-initiator", progress_thread=thread, telemetry=telemetry,
-            ucx_error_handling=plan.error_handling(variant),
+            ucx_error_handling=plan.error_handling(variant), mem_type=plan.mem_type,
         )  # fmt: skip
         self.source = plan.op == "WRITE"
-        self.buf = buffer_of(plan, self.source)
+        self.buf = kv_buffer(plan, self.source)
         self.mem = self.fabric.register_memory(self.buf)
         self.peer = self.fabric.add_remote_agent(remote[0])
-        self.local = self.fabric.prep_xfer_dlist(None, _rows(plan, int(self.buf.ctypes.data)))
-        self.far = self.fabric.prep_xfer_dlist(self.peer, _rows(plan, remote[1]))
+        span = buffer_span(self.buf)
+        self.local = self.fabric.prep_xfer_dlist(None, _rows(plan, span.address, span.device))
+        self.far = self.fabric.prep_xfer_dlist(self.peer, _rows(plan, remote[1], remote[2]))
         self._mine, self._theirs = (plan.src, plan.dst) if self.source else (plan.dst, plan.src)
 
-    def xfer(self, i: int) -> XferHandle:
-        """A transfer handle for request i's blocks (prepared rows), ready to post."""
+    def xfer(self, i: int, notify: bytes = b"") -> XferHandle:
+        """A transfer handle for request i's blocks (prepared rows), ready to post; the target
+        is told `notify` when it is done (nothing if empty)."""
         plan = self.plan
         return self.fabric.make_prepped_xfer(
             plan.op, self.local, _ids(plan, self._mine[i]), self.far, _ids(plan, self._theirs[i]),
-            b"", merge=self.merge,
+            notify, merge=self.merge,
         )  # fmt: skip
 
     def close(self) -> bool:
         """Whether every byte is in place here (True on the source side); then release all."""
-        ok = True if self.source else check_sink(self.plan, self.buf)
+        ok = True if self.source else check_sink(self.plan, on_host(self.buf))
         for dlist in (self.local, self.far):
             self.fabric.release_dlist_handle(dlist)
         self.fabric.remove_remote_agent(self.peer)
@@ -225,29 +257,34 @@ class RawInitiator:
         return ok
 
 
-def _initiator(plan: BenchPlan, variant: Variant, remote: tuple[bytes, int]) -> dict[str, Any]:
+def _initiator(plan: BenchPlan, variant: Variant, remote: tuple[bytes, int, int]) -> dict[str, Any]:
     me = RawInitiator(plan, variant, remote)
     # A warm-up transfer first (request 0's blocks, the same bytes): UCX wires its lanes up on
     # the first transfers (milliseconds), outside the timed run, as the engine's rows do.
-    _post_all(me, 1)
-    latencies, moved, cpu0, t0 = _post_all(me, len(plan.src))
-    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    _post_all(me, 1, notify=False)
+    latencies, moved, cpu0, t0, posted_at = _post_all(me, len(plan.src))
+    wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
     ok = me.close()
     posted = len(plan.src) * len(plan.src[0]) * plan.regions
     return {
         "wall_s": wall, "cpu_s": cpu, "latency_s": latencies, "verified": ok,
         "descriptors": posted, "fabric_descriptors": moved if me.telemetry else None,
+        "posted_at": posted_at,
     }  # fmt: skip
 
 
-def _post_all(me: RawInitiator, n: int) -> tuple[list[float], int, float, float]:
-    """Post the first n requests, at most `plan.inflight` at once; each request's post-to-DONE
-    time and the rows NIXL moved (after its merging, per its telemetry)."""
+def _post_all(
+    me: RawInitiator, n: int, notify: bool = True
+) -> tuple[list[float], int, float, float, dict[bytes, float]]:
+    """Post the first n requests, at most `plan.inflight` at once, each telling the target its
+    number (if `notify`); each request's post-to-DONE time, the rows NIXL moved (after its
+    merging, per its telemetry), and when each was posted (`time.monotonic`, by message)."""
     fabric, plan = me.fabric, me.plan
     pending: dict[int, float] = {}
+    posted_at: dict[bytes, float] = {}
     latencies: list[float] = []
     moved = 0
-    cpu0, t0, deadline = time.process_time(), time.perf_counter(), time.monotonic() + _BOUND_S
+    cpu0, t0, deadline = time.process_time(), time.monotonic(), time.monotonic() + _BOUND_S
     for i in range(n + plan.inflight):
         while pending and (len(pending) >= plan.inflight or i >= n):
             if time.monotonic() > deadline:
@@ -257,16 +294,17 @@ def _post_all(me: RawInitiator, n: int) -> tuple[list[float], int, float, float]
                 if state == "ERR":
                     raise RuntimeError("a transfer ended in ERR")
                 if state == "DONE":
-                    latencies.append(time.perf_counter() - start)
+                    latencies.append(time.monotonic() - start)
                     telemetry = fabric.xfer_telemetry(h)
                     moved += telemetry.descriptors if telemetry else 0
                     fabric.release_xfer_handle(h)
                     del pending[h]
         if i < n:
-            h = me.xfer(i)
-            pending[h] = time.perf_counter()
+            message = str(i).encode() if notify else b""
+            h = me.xfer(i, message)
+            pending[h] = posted_at[message] = time.monotonic()
             fabric.transfer(h)
-    return latencies, moved, cpu0, t0
+    return latencies, moved, cpu0, t0, posted_at if notify else {}
 
 
 def _initiator_main(
@@ -280,8 +318,9 @@ def _initiator_main(
 
 
 def run_variant(plan: BenchPlan, variant: Variant) -> dict[str, Any]:
-    """One variant, target and initiator in processes of their own; figures and whether every
-    byte arrived."""
+    """One variant, target and initiator in processes of their own: the initiator's figures,
+    `verified` true only if both ends found every byte in place, and `notified_s`: each
+    request's time from its post to the target's draining of its notification."""
     return run_pair(plan, variant, _initiator, (plan, variant), variant)
 
 
@@ -293,8 +332,7 @@ def run_pair(
     name: str,
 ) -> dict[str, Any]:
     """`serve_target` with `target`'s settings and `initiate(*args, remote)` in processes of
-    their own (`remote`: the target's agent metadata and buffer address); the initiator's
-    figures, their `verified` true only if both ends found every byte in place."""
+    their own (`remote`: the target's agent metadata, buffer address and device)."""
     ctx = mp.get_context("spawn")
     t_conn, t_child = ctx.Pipe()
     i_conn, i_child = ctx.Pipe()
@@ -315,8 +353,14 @@ def run_pair(
         status, result = recv_bounded(i_conn, "initiator", procs)
         if status != "ok":
             raise RuntimeError(f"bench initiator ({name}): {result}")
-        t_conn.send("done")
-        result["verified"] = bool(result["verified"] and recv_bounded(t_conn, "target", procs[:1]))
+        posted_at: dict[bytes, float] = result.pop("posted_at", {})
+        t_conn.send(len(posted_at))
+        ok, drained = recv_bounded(t_conn, "target", procs[:1])
+        result["verified"] = bool(result["verified"] and ok)
+        # The clock is the host's monotonic one, the same in both processes.
+        result["notified_s"] = [drained[m] - t for m, t in posted_at.items() if m in drained]
+        if len(result["notified_s"]) < len(posted_at):
+            raise RuntimeError(f"bench target ({name}): notifications missing")
         return dict(result)
     finally:
         for p in procs:
@@ -344,16 +388,11 @@ def recv_bounded(conn: Connection, who: str, procs: Sequence[BaseProcess]) -> An
 
 
 def memcpy_gbps(plan: BenchPlan, repeat: int = 3) -> float:
-    """GB/s of copying the same blocks between two host buffers (numpy gather/scatter)."""
-    src = buffer_of(plan, True).reshape(plan.regions, plan.num_blocks, plan.block_bytes)
-    dst = buffer_of(plan, False).reshape(plan.regions, plan.num_blocks, plan.block_bytes)
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        for s, d in zip(plan.src, plan.dst, strict=True):
-            dst[:, d] = src[:, s]
-        best = min(best, time.perf_counter() - t0)
-    return plan.bytes_per_request * len(plan.src) / best / 1e9
+    """GB/s of copying the same blocks between two buffers in the plan's memory (numpy's
+    gather/scatter on the host, torch's on a CUDA device)."""
+    shape = (plan.regions, plan.num_blocks, plan.block_bytes)
+    moves = list(zip(plan.src, plan.dst, strict=True))
+    return copy_gbps(kv_buffer(plan, True), kv_buffer(plan, False), shape, moves, repeat)
 
 
 def gbps(plan: BenchPlan, result: dict[str, Any]) -> float:

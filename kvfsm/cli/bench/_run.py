@@ -2,8 +2,12 @@
 requests: raw NIXL posted vLLM's way with NIXL's default agent settings (a1), raw NIXL
 with the engine's agent settings (a2; and a2 without NIXL's merging of adjacent rows, to show what
 that merging is worth), the kvfsm engine posting one row per block per region (b) and coalescing
-(c), a memcpy of the same bytes (d), and the control plane's CPU per request lifecycle at several
-numbers of requests in flight."""
+(c), a copy of the same bytes in the same memory (d: memcpy on the host, a torch device copy on a
+GPU), and the control plane's CPU per request lifecycle at several numbers of requests in flight.
+
+Latency like for like: raw NIXL's from the post until the other side drained the transfer's
+notification (`raw_notified_us_*`), the engine's from D's admission (P's prefill finished) to
+D's report (`handoff_us_*`), with the engine's hops in between (`handoff_hops_us`)."""
 
 from __future__ import annotations
 
@@ -14,7 +18,8 @@ import numpy as np
 
 from kvfsm.cli._host import require_memory
 from kvfsm.cli.bench._control import bench as control_bench
-from kvfsm.cli.bench._engine import run_engine_variant
+from kvfsm.cli.bench._engine import HOPS, run_engine_variant
+from kvfsm.cli.bench._memory import MEMORIES, Memory
 from kvfsm.cli.bench._raw import BenchPlan, gbps, memcpy_gbps, plan_requests, run_variant
 from kvfsm.core import Mode
 from kvfsm.fabric import UcxErrorHandling
@@ -38,10 +43,12 @@ class BenchOptions:
                  regions: int, requests: int, blocks_per_request: int, inflight: int,
                  seed: int, control_in_flight: tuple[int, ...] = (),
                  control_total: int = 0, ucx_error_handling: UcxErrorHandling = "peer",
-                 repeat: int = 1) -> None:  # fmt: skip
+                 repeat: int = 1, memory: Memory = "dram") -> None:  # fmt: skip
         if min(block_kib, num_blocks, regions, requests, blocks_per_request, inflight, repeat) < 1:
             raise ValueError("every size and count must be at least 1")
         self.repeat = repeat
+        if memory not in MEMORIES:
+            raise ValueError(f"memory must be one of {MEMORIES}, not {memory!r}")
         if control_total < 0 or any(n < 1 for n in control_in_flight):
             raise ValueError("control-plane counts must be at least 1 (a total of 0 skips it)")
         # At most three buffers live at once: one side's, and the sink's with the source
@@ -61,7 +68,7 @@ class BenchOptions:
         self.plan = BenchPlan(
             block_bytes=block_kib * 1024, num_blocks=num_blocks, regions=regions,
             op="WRITE" if mode == "push" else "READ", src=src, dst=dst, inflight=inflight,
-            seed=seed, ucx_error_handling=ucx_error_handling,
+            seed=seed, ucx_error_handling=ucx_error_handling, memory=memory,
         )  # fmt: skip
 
 
@@ -76,6 +83,7 @@ def run_bench(options: BenchOptions, advance: Callable[[int], None]) -> dict[str
         "blocks_per_request": len(plan.src[0]), "bytes_per_request": plan.bytes_per_request,
         "descriptors_per_request": len(plan.src[0]) * plan.regions, "inflight": plan.inflight,
         "ucx_error_handling": plan.ucx_error_handling, "repeat": options.repeat,
+        "memory": plan.memory,
     }  # fmt: skip
     # Rounds of every variant in turn, so that a slow spell of this shared machine hits them
     # alike; each variant reports its median run.
@@ -85,10 +93,12 @@ def run_bench(options: BenchOptions, advance: Callable[[int], None]) -> dict[str
             runs[variant].append(run(plan))
             advance(1)
     verified = all(bool(r["verified"]) for results in runs.values() for r in results)
+    medians = {}
     for variant, results in runs.items():
-        median = sorted(results, key=lambda r: gbps(plan, r))[(len(results) - 1) // 2]
-        report |= _figures(plan, variant, median)
+        medians[variant] = sorted(results, key=lambda r: gbps(plan, r))[(len(results) - 1) // 2]
+        report |= _figures(plan, variant, medians[variant])
         report[f"{variant}_gbps_runs"] = [gbps(plan, r) for r in results]  # in round order
+    report |= _latency(options.mode, medians["raw"], medians["engine"])
     report["memcpy_gbps"] = memcpy_gbps(plan)
     advance(1)
     report |= _control_plane(options, advance)
@@ -130,6 +140,23 @@ def _figures(plan: BenchPlan, variant: str, result: dict[str, Any]) -> dict[str,
         f"{variant}_cpu_us_per_request": 1e6 * result["cpu_s"] / n,
         f"{variant}_descriptors_per_request": result["descriptors"] / n,
         f"{variant}_fabric_descriptors_per_request": None if moved is None else moved / n,
+    }
+
+
+def _latency(mode: str, raw: dict[str, Any], engine: dict[str, Any]) -> dict[str, Any]:
+    """Like-for-like latency of a2 (post to the target's notification drained) and b (D's
+    admission to D's report, and hop by hop: each hop's median), in µs."""
+    notified, handoff = (1e6 * np.asarray(r) for r in (raw["notified_s"], engine["latency_s"]))
+    hops = engine["hops_s"]
+    return {
+        "raw_notified_us_p50": float(np.percentile(notified, 50)),
+        "raw_notified_us_p99": float(np.percentile(notified, 99)),
+        "handoff_us_p50": float(np.percentile(handoff, 50)),
+        "handoff_us_p99": float(np.percentile(handoff, 99)),
+        "handoff_hops_us": {
+            name: 1e6 * float(np.median(hops[name])) if hops[name] else None
+            for name, _, _ in HOPS[mode]
+        },
     }
 
 
