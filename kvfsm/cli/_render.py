@@ -134,6 +134,19 @@ def bench_table(report: dict[str, object]) -> None:
         f" against raw NIXL's post to notification drained {report['raw_notified_us_p50']:.0f}"
         f" (p99 {report['raw_notified_us_p99']:.0f}); hops' medians in µs: {steps}"
     )
+    idle: dict[str, float] = report["engine_idle_cpu_per_s"]  # type: ignore[assignment]
+    console.print(f"engine idle: P {idle['P']:.1%} of a core, D {idle['D']:.1%}")
+    sweep = report.get("by_inflight")
+    if isinstance(sweep, dict):
+        by = Table(title="by transfers in flight")
+        for column in ("in flight", "a2 GB/s", "b GB/s", "b/a2", "hand-off p50 µs",
+                       "raw notified p50 µs"):  # fmt: skip
+            by.add_column(column, justify="right")
+        for n, f in sweep.items():
+            by.add_row(n, f"{f['raw_gbps']:.2f}", f"{f['engine_gbps']:.2f}",
+                       f"{f['ratio_engine_raw']:.2f}", f"{f['handoff_us_p50']:.0f}",
+                       f"{f['raw_notified_us_p50']:.0f}")  # fmt: skip
+        console.print(by)
     control = report.get("control_us_per_request")
     engine = report.get("control_engine_us_per_request")
     if isinstance(control, dict) and isinstance(engine, dict):

@@ -46,8 +46,11 @@ def test_bench_reports_every_variant_with_bytes_verified(
         report = request.getfixturevalue("pushed")
     else:
         args = ["--mode", mode, "--allocation", allocation, "--ucx-error-handling", errors]
-        assert main(["bench", *args, *_SMALL, "--json"]) == 0
+        assert main(["bench", *args, *_SMALL, "--inflight", "4", "2", "--json"]) == 0
         report = json.loads(capsys.readouterr().out)
+        # Every variant also ran at 2 in flight, its bytes checked; the headline is at 4.
+        assert set(report["by_inflight"]) == {"4", "2"}
+        assert all(f["verified"] and f["engine_gbps"] > 0 for f in report["by_inflight"].values())
     assert report["verified"] is True and report["ucx_error_handling"] == errors
     assert report["op"] == ("WRITE" if mode == "push" else "READ")
     variants = ("raw_vllm_style", "raw", "raw_unmerged", "engine", "coalesced", "memcpy")
@@ -70,6 +73,8 @@ def test_bench_reports_every_variant_with_bytes_verified(
     # Latency like for like: every request's notification drained at the raw target, and every
     # hop of the engine's hand-offs reached (the figures themselves are the benchmark's).
     assert report["memory"] == "dram" and report["inflight"] == 4
+    # Idle, an engine's loop wakes every 50 ms; a spinning one would take a whole core.
+    assert all(0 <= cpu < 0.5 for cpu in report["engine_idle_cpu_per_s"].values())
     assert 0 < report["raw_notified_us_p50"] <= report["raw_notified_us_p99"]
     assert 0 < report["handoff_us_p50"] <= report["handoff_us_p99"]
     hops = report["handoff_hops_us"]
@@ -128,6 +133,7 @@ def test_the_table_shows_every_row(
     assert "µs a request over raw NIXL's" in out and "b/a2 >= 0.95 allows" in out
     words = " ".join(out.split())  # the console wraps lines as it likes
     assert "hand-off p50" in words and "post to notification drained" in words
+    assert "engine idle: P " in words
     assert all(f"{name} " in words for name, _, _ in HOPS["push"])  # every hop, named
 
 

@@ -65,6 +65,34 @@ def test_rounds_keep_their_order_and_b_over_a2_is_paired_within_each(
     assert report["memory"] == "dram"
 
 
+def test_every_number_in_flight_gets_its_own_rounds_and_the_first_heads_the_report(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def by_inflight(seconds: float) -> Callable[[BenchPlan], dict[str, Any]]:
+        def run(plan: BenchPlan) -> dict[str, Any]:  # more in flight: faster, here
+            return _stand_in([seconds / plan.inflight])(plan) | {"idle_cpu_per_s": {"P": 0.0}}
+
+        return run
+
+    for variant in bench._VARIANTS:
+        monkeypatch.setitem(
+            bench._VARIANTS, variant, by_inflight(2.0 if variant == "engine" else 1.0)
+        )
+    options = bench.BenchOptions(
+        mode="push", allocation="contiguous", block_kib=4, num_blocks=8, regions=2, requests=2,
+        blocks_per_request=2, inflight=4, seed=0, more_inflight=(1,),
+    )  # fmt: skip
+    steps: list[int] = []
+    report = bench.run_bench(options, steps.append)
+    moved = options.plan.bytes_per_request * 2 / 1e9
+    sweep = report["by_inflight"]
+    assert list(sweep) == ["4", "1"] and report["inflight"] == 4
+    assert sweep["1"]["raw_gbps"] == pytest.approx(moved) and sweep["1"]["ratio_engine_raw"] == 0.5
+    assert sweep["4"]["raw_gbps"] == pytest.approx(4 * moved) == report["raw_gbps"]
+    assert report["engine_idle_cpu_per_s"] == {"P": 0.0} and report["verified"] is True
+    assert len(steps) == bench.steps(options) == 5 * 2 + 1 + len(options.control_in_flight)
+
+
 def test_hops_run_from_each_point_to_the_next_and_skip_a_point_never_reached() -> None:
     entered = {
         "P": {"bench0": {"on registration": 1.5, "writing": 1.75, "done": 3.0}, "bench1": {}},

@@ -39,7 +39,10 @@ def add_command(commands: Commands) -> None:
     bench.add_argument("--regions", type=int, default=4, help="regions (layers x K/V)")
     bench.add_argument("--requests", type=int, default=64)
     bench.add_argument("--blocks-per-request", type=int, default=16)
-    bench.add_argument("--inflight", type=int, default=4, help="transfers in flight at most")
+    bench.add_argument(
+        "--inflight", type=int, nargs="+", default=[4],
+        help="transfers in flight at most; more than one: every variant at each (by_inflight)",
+    )  # fmt: skip
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument(
         "--repeat", type=int, default=3,
@@ -69,7 +72,8 @@ def _execute(args: argparse.Namespace) -> int:
         options = BenchOptions(
             mode=args.mode, allocation=args.allocation, block_kib=args.block_kib,
             num_blocks=args.blocks, regions=args.regions, requests=args.requests,
-            blocks_per_request=args.blocks_per_request, inflight=args.inflight, seed=args.seed,
+            blocks_per_request=args.blocks_per_request, inflight=args.inflight[0], seed=args.seed,
+            more_inflight=tuple(args.inflight[1:]),
             control_in_flight=tuple(args.control_in_flight), control_total=args.control_total,
             ucx_error_handling=args.ucx_error_handling, repeat=args.repeat, memory=args.memory,
         )  # fmt: skip

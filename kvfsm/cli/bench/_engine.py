@@ -37,6 +37,7 @@ __all__ = ["HOPS", "bench_geometry", "handoff_hops", "run_engine_variant"]
 
 _TOKENS, _DTYPE = 16, 2
 _BOUND_S = 120.0
+_IDLE_S = 0.5  # how long each rank is watched idle after the run, for its CPU per idle second
 
 HOPS: dict[str, tuple[tuple[str, str, str], ...]] = {
     "push": (
@@ -104,6 +105,7 @@ def _rank(side: str, plan: BenchPlan, coalesce: bool, conn: Connection) -> None:
         rank.addresses.update(conn.recv())
         serve = _producer if is_p else _consumer
         result = serve(plan, loop, outputs, conn)
+        result["idle_cpu_per_s"] = _idle_cpu()
         if not is_p:
             result["verified"] = result["verified"] and check_sink(plan, on_host(buf))
         conn.send(("ok", result))
@@ -218,6 +220,14 @@ def _consumer(plan: BenchPlan, loop: Any, outputs: _Outputs, conn: Connection) -
     return figures | outputs.until_finished(len(plan.dst) + 1, deadline)
 
 
+def _idle_cpu() -> float:
+    """CPU seconds this process takes per second with nothing in flight (every request over):
+    near 0 unless something spins."""
+    cpu0, t0 = time.process_time(), time.monotonic()
+    time.sleep(_IDLE_S)
+    return (time.process_time() - cpu0) / (time.monotonic() - t0)
+
+
 def _rid(i: int, side: str) -> str:
     return f"{'warmup' if i < 0 else f'bench{i}'}-000000{side}{side}"
 
@@ -266,6 +276,7 @@ def run_engine_variant(plan: BenchPlan, *, coalesce: bool) -> dict[str, Any]:
         "wall_s": d["wall_s"], "latency_s": d["latency_s"], "cpu_s": poster["cpu_s"],
         "verified": d["verified"], "descriptors": poster["descriptors"],
         "fabric_descriptors": poster["fabric_descriptors"],
+        "idle_cpu_per_s": {"P": p["idle_cpu_per_s"], "D": d["idle_cpu_per_s"]},
         "hops_s": handoff_hops(mode, d["admitted"], {"P": p["entered"], "D": d["entered"]},
                                d["reported"]),
     }  # fmt: skip

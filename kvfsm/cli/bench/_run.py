@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from kvfsm.cli._host import require_memory
@@ -43,10 +44,14 @@ class BenchOptions:
                  regions: int, requests: int, blocks_per_request: int, inflight: int,
                  seed: int, control_in_flight: tuple[int, ...] = (),
                  control_total: int = 0, ucx_error_handling: UcxErrorHandling = "peer",
-                 repeat: int = 1, memory: Memory = "dram") -> None:  # fmt: skip
-        if min(block_kib, num_blocks, regions, requests, blocks_per_request, inflight, repeat) < 1:
+                 repeat: int = 1, memory: Memory = "dram",
+                 more_inflight: tuple[int, ...] = ()) -> None:  # fmt: skip
+        """`inflight`: the headline's transfers in flight at most; `more_inflight`: further
+        numbers every variant also runs at (`by_inflight`)."""
+        if min(block_kib, num_blocks, regions, requests, blocks_per_request, inflight, repeat,
+               *more_inflight) < 1:  # fmt: skip
             raise ValueError("every size and count must be at least 1")
-        self.repeat = repeat
+        self.repeat, self.more_inflight = repeat, more_inflight
         if memory not in MEMORIES:
             raise ValueError(f"memory must be one of {MEMORIES}, not {memory!r}")
         if control_total < 0 or any(n < 1 for n in control_in_flight):
@@ -73,9 +78,11 @@ class BenchOptions:
 
 
 def run_bench(options: BenchOptions, advance: Callable[[int], None]) -> dict[str, Any]:
-    """Every variant in turn (fresh processes each), `options.repeat` rounds, then memcpy; the
-    report as a JSON-able dict: each variant's median run, with every run's GB/s in round order
-    and b/a2 round by round."""
+    """Every variant in turn (fresh processes each), `options.repeat` rounds, at each number of
+    transfers in flight; then memcpy and the control plane. The report as a JSON-able dict: each
+    variant's median run at the first number in flight (`inflight`), with every run's GB/s in
+    round order and b/a2 round by round; with more numbers, the same figures for each under
+    `by_inflight`."""
     plan = options.plan
     report: dict[str, Any] = {
         "mode": options.mode, "op": plan.op, "allocation": options.allocation,
@@ -85,6 +92,28 @@ def run_bench(options: BenchOptions, advance: Callable[[int], None]) -> dict[str
         "ucx_error_handling": plan.ucx_error_handling, "repeat": options.repeat,
         "memory": plan.memory,
     }  # fmt: skip
+    sweep = {
+        str(n): _transfers(msgspec.structs.replace(plan, inflight=n), options, advance)
+        for n in (plan.inflight, *options.more_inflight)
+    }
+    report |= sweep[str(plan.inflight)]
+    if options.more_inflight:
+        report["by_inflight"] = sweep
+    report["memcpy_gbps"] = memcpy_gbps(plan)
+    advance(1)
+    report |= _control_plane(options, advance)
+    report |= {
+        "ratio_raw_memcpy": report["raw_gbps"] / report["memcpy_gbps"],
+        "ratio_coalesced_memcpy": report["coalesced_gbps"] / report["memcpy_gbps"],
+        "verified": all(bool(figures["verified"]) for figures in sweep.values()),
+    }
+    return report
+
+
+def _transfers(
+    plan: BenchPlan, options: BenchOptions, advance: Callable[[int], None]
+) -> dict[str, Any]:
+    """Every variant's rounds at `plan.inflight`: medians, rounds, latency and ratios."""
     # Rounds of every variant in turn, so that a slow spell of this shared machine hits them
     # alike; each variant reports its median run.
     runs: dict[str, list[dict[str, Any]]] = {variant: [] for variant in _VARIANTS}
@@ -92,39 +121,34 @@ def run_bench(options: BenchOptions, advance: Callable[[int], None]) -> dict[str
         for variant, run in _VARIANTS.items():
             runs[variant].append(run(plan))
             advance(1)
-    verified = all(bool(r["verified"]) for results in runs.values() for r in results)
+    figures: dict[str, Any] = {}
     medians = {}
     for variant, results in runs.items():
         medians[variant] = sorted(results, key=lambda r: gbps(plan, r))[(len(results) - 1) // 2]
-        report |= _figures(plan, variant, medians[variant])
-        report[f"{variant}_gbps_runs"] = [gbps(plan, r) for r in results]  # in round order
-    report |= _latency(options.mode, medians["raw"], medians["engine"])
-    report["memcpy_gbps"] = memcpy_gbps(plan)
-    advance(1)
-    report |= _control_plane(options, advance)
+        figures |= _figures(plan, variant, medians[variant])
+        figures[f"{variant}_gbps_runs"] = [gbps(plan, r) for r in results]  # in round order
+    figures |= _latency(options.mode, medians["raw"], medians["engine"])
+    figures["engine_idle_cpu_per_s"] = medians["engine"].get("idle_cpu_per_s")
     # b/a2 per request: each median's time per request, from its throughput. b/a2 >= 0.95
     # leaves the engine raw NIXL's time / 19 a request, at any request size.
     raw_us, engine_us = (
-        1e-3 * plan.bytes_per_request / report[f"{v}_gbps"] for v in ("raw", "engine")
+        1e-3 * plan.bytes_per_request / figures[f"{v}_gbps"] for v in ("raw", "engine")
     )
-    report |= {
+    return figures | {
         "raw_time_us_per_request": raw_us,
         "engine_extra_us_per_request": engine_us - raw_us,
-        "ratio_engine_raw": report["engine_gbps"] / report["raw_gbps"],
+        "ratio_engine_raw": figures["engine_gbps"] / figures["raw_gbps"],
         # b/a2 within each round: how far the headline ratio (of the medians) can be trusted.
         "ratio_engine_raw_by_round": [
             b / a2
-            for b, a2 in zip(report["engine_gbps_runs"], report["raw_gbps_runs"], strict=True)
+            for b, a2 in zip(figures["engine_gbps_runs"], figures["raw_gbps_runs"], strict=True)
         ],
-        "ratio_coalesced_raw": report["coalesced_gbps"] / report["raw_vllm_style_gbps"],
-        "ratio_coalesced_engine": report["coalesced_gbps"] / report["engine_gbps"],
-        "ratio_raw_vllm_style": report["raw_gbps"] / report["raw_vllm_style_gbps"],
-        "ratio_raw_unmerged": report["raw_gbps"] / report["raw_unmerged_gbps"],
-        "ratio_raw_memcpy": report["raw_gbps"] / report["memcpy_gbps"],
-        "ratio_coalesced_memcpy": report["coalesced_gbps"] / report["memcpy_gbps"],
-        "verified": verified,
+        "ratio_coalesced_raw": figures["coalesced_gbps"] / figures["raw_vllm_style_gbps"],
+        "ratio_coalesced_engine": figures["coalesced_gbps"] / figures["engine_gbps"],
+        "ratio_raw_vllm_style": figures["raw_gbps"] / figures["raw_vllm_style_gbps"],
+        "ratio_raw_unmerged": figures["raw_gbps"] / figures["raw_unmerged_gbps"],
+        "verified": all(bool(r["verified"]) for results in runs.values() for r in results),
     }  # fmt: skip
-    return report
 
 
 def _figures(plan: BenchPlan, variant: str, result: dict[str, Any]) -> dict[str, Any]:
@@ -175,4 +199,5 @@ def _control_plane(options: BenchOptions, advance: Callable[[int], None]) -> dic
 
 def steps(options: BenchOptions) -> int:
     """Progress steps of one run."""
-    return len(_VARIANTS) * options.repeat + 1 + len(options.control_in_flight)
+    sweep = 1 + len(options.more_inflight)
+    return len(_VARIANTS) * options.repeat * sweep + 1 + len(options.control_in_flight)
