@@ -123,7 +123,7 @@ class _Outputs:
     def __init__(self) -> None:
         self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.traced = self.posted = self.moved = 0  # guarded by _ended
-        self.entered: dict[str, dict[str, float]] = {}  # request -> point -> first reached
+        self.histories: dict[str, tuple[tuple[str, str, float], ...]] = {}  # by `_key`
         self._ended = threading.Condition()
 
     def put(self, out: Any) -> None:
@@ -138,11 +138,7 @@ class _Outputs:
                     # Rows the engine posted, and rows NIXL moved after its own merging.
                     self.posted += out.stats.descriptors
                     self.moved += out.stats.fabric_descriptors
-                    entered: dict[str, float] = {}
-                    for event, state, t in out.history:
-                        entered.setdefault(state, t)
-                        entered.setdefault(f"on {event}", t)
-                    self.entered[out.request_id.split("-")[0]] = entered
+                    self.histories[_key(out.request_id)] = out.history
                 self._ended.notify_all()
 
     def get(self, deadline: float) -> Any:
@@ -150,16 +146,23 @@ class _Outputs:
         return self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
 
     def until_finished(self, n: int, deadline: float) -> dict[str, Any]:
-        """Wait for the n-th request to end and its trace to arrive."""
+        """Wait for the n-th request to end and its trace to arrive; then the rows posted and
+        moved, and when each request first reached each state and took each event ("on" it)."""
         with self._ended:
             if not self._ended.wait_for(
                 lambda: self.traced >= n, max(0.0, deadline - time.monotonic())
             ):
                 raise TimeoutError(f"{self.traced} of {n} requests ended")
-            return {
-                "descriptors": self.posted, "fabric_descriptors": self.moved,
-                "entered": dict(self.entered),
-            }  # fmt: skip
+            histories = dict(self.histories)
+            figures: dict[str, Any] = {"descriptors": self.posted, "fabric_descriptors": self.moved}
+        # Off the loop's thread, after the timed run: the traces are kept as they came.
+        entered: dict[str, dict[str, float]] = {}
+        for key, history in histories.items():
+            points = entered[key] = {}
+            for event, state, t in history:
+                points.setdefault(state, t)
+                points.setdefault(f"on {event}", t)
+        return figures | {"entered": entered}
 
 
 def _producer(plan: BenchPlan, loop: Any, outputs: _Outputs, conn: Connection) -> dict[str, Any]:
@@ -206,10 +209,10 @@ def _consumer(plan: BenchPlan, loop: Any, outputs: _Outputs, conn: Connection) -
             out = outputs.get(deadline)
             if isinstance(out, ReportReceived | ReportFailed):
                 started.pop(out.request_id)
-                reported[out.request_id.split("-")[0]] = time.monotonic()
+                reported[_key(out.request_id)] = time.monotonic()
                 failed += isinstance(out, ReportFailed)
         if i < len(plan.dst):
-            started[_rid(i, "b")] = admitted[f"bench{i}"] = time.monotonic()
+            started[_rid(i, "b")] = admitted[_key(_rid(i, "b"))] = time.monotonic()
             loop.submit(Admit(_rid(i, "b"), _ids(plan.dst[i]), "P", 1, _rid(i, "a")))
     wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
     latencies = [reported[key] - at for key, at in admitted.items()]
@@ -230,6 +233,11 @@ def _idle_cpu() -> float:
 
 def _rid(i: int, side: str) -> str:
     return f"{'warmup' if i < 0 else f'bench{i}'}-000000{side}{side}"
+
+
+def _key(request_id: str) -> str:
+    """What P's and D's ids of one request share (`bench7`)."""
+    return request_id.split("-")[0]
 
 
 def _ids(blocks: list[int]) -> npt.NDArray[np.int32]:
@@ -289,8 +297,9 @@ def handoff_hops(
     reported: dict[str, float],
 ) -> dict[str, list[float]]:
     """Each hop's seconds (`HOPS[mode]`), one per request, from when D admitted each request,
-    when each side's trace entered each state or took each event and when D reported it (all `time.monotonic`: one
-    clock for every process of a host). A point a request never reached ends no hop of it."""
+    when each side's trace entered each state or took each event and when D reported it (all
+    `time.monotonic`: one clock for every process of a host). A point a request never reached
+    ends no hop of it."""
     hops: dict[str, list[float]] = {name: [] for name, _, _ in HOPS[mode]}
     for key, start in admitted.items():
         before = start

@@ -302,9 +302,11 @@ def _post_all(
         if i < n:
             message = str(i).encode() if notify else b""
             h = me.xfer(i, message)
-            pending[h] = posted_at[message] = time.monotonic()
+            pending[h] = time.monotonic()
+            if notify:
+                posted_at[message] = pending[h]
             fabric.transfer(h)
-    return latencies, moved, cpu0, t0, posted_at if notify else {}
+    return latencies, moved, cpu0, t0, posted_at
 
 
 def _initiator_main(

@@ -36,10 +36,7 @@ def add_command(commands: Commands) -> None:
     check.add_argument("--faults", type=int, default=2, help="injected faults per path at most")
     check.add_argument("--requests", type=int, choices=[1, 2], default=2)
     check.add_argument(
-        "--depth",
-        type=int,
-        default=None,
-        help="actions per path at most (default: 9, CI's bound)",
+        "--depth", type=int, default=None, help="actions per path at most (default: 9, CI's bound)"
     )
     check.add_argument(
         "--workers", type=int, default=None,
