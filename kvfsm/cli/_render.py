@@ -97,7 +97,7 @@ def bench_table(report: dict[str, object]) -> None:
     )
     for column in columns:
         table.add_column(column, justify="left" if column == "variant" else "right")
-    anchor = float(report["raw_vllm_style_gbps"])  # type: ignore[arg-type]
+    anchor = report.get("raw_vllm_style_gbps")
     rows = [
         ("a1 raw, vLLM's way", "raw_vllm_style"),
         ("a2 raw, kvfsm's settings", "raw"),
@@ -107,6 +107,8 @@ def bench_table(report: dict[str, object]) -> None:
         ("d  memcpy" if report["memory"] == "dram" else "d  device copy", "memcpy"),
     ]
     for label, key in rows:
+        if f"{key}_gbps" not in report:  # a variant left out (--variants)
+            continue
         value = float(report[f"{key}_gbps"])  # type: ignore[arg-type]
         cells = [f"{report[f'{key}_{x}']:.2f}" if f"{key}_{x}" in report else ""
                  for x in ("ms_p50", "ms_p99", "cpu_us_per_request")]  # fmt: skip
@@ -114,13 +116,15 @@ def bench_table(report: dict[str, object]) -> None:
         rows_cell = (
             "" if posted is None else f"{posted:.0f}/{'?' if moved is None else f'{moved:.0f}'}"
         )
-        table.add_row(label, f"{value:.2f}", *cells, rows_cell, f"{value / anchor:.2f}")
+        vs_a1 = "" if anchor is None else f"{value / float(anchor):.2f}"  # type: ignore[arg-type]
+        table.add_row(label, f"{value:.2f}", *cells, rows_cell, vs_a1)
     console.print(table)
     by_round: list[float] = report["ratio_engine_raw_by_round"]  # type: ignore[assignment]
     rounds = ", ".join(f"{r:.2f}" for r in by_round)
+    c_a1 = report.get("ratio_coalesced_raw")
     console.print(
-        f"b/a2 {report['ratio_engine_raw']:.2f} (round by round: {rounds});"
-        f" c/a1 {report['ratio_coalesced_raw']:.2f}"
+        f"b/a2 {report['ratio_engine_raw']:.2f} (round by round: {rounds})"
+        + ("" if c_a1 is None else f"; c/a1 {c_a1:.2f}")
     )
     raw_us = float(report["raw_time_us_per_request"])  # type: ignore[arg-type]
     console.print(

@@ -4,6 +4,7 @@ from kvfsm.fabric._memory import BufferSpan, buffer_span
 from kvfsm.fabric._nixl import (
     TCP_DRAIN_SLACK_S,
     TCP_USER_TIMEOUT_DEFAULT,
+    UCX_DEFAULTS,
     UCX_ERROR_HANDLING_DEFAULT,
     UCX_ERROR_HANDLING_MODES,
     NixlFabric,
@@ -31,6 +32,7 @@ from kvfsm.fabric._sim_faults import SimFaults, SimStats
 __all__ = [
     "TCP_DRAIN_SLACK_S",
     "TCP_USER_TIMEOUT_DEFAULT",
+    "UCX_DEFAULTS",
     "UCX_ERROR_HANDLING_DEFAULT",
     "UCX_ERROR_HANDLING_MODES",
     "BufferSpan",

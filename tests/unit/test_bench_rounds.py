@@ -103,3 +103,28 @@ def test_hops_run_from_each_point_to_the_next_and_skip_a_point_never_reached() -
         "D registers": [0.25, 1.0], "registration at P": [0.25], "post": [0.25],
         "DONE at P": [1.25], "notification at D": [0.5], "report": [0.5],
     }  # fmt: skip
+
+
+def test_only_the_chosen_variants_run_and_ratios_need_both_of_theirs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ran: list[str] = []
+    for variant in bench._VARIANTS:
+        stand_in = _stand_in([1.0] * 3)
+        monkeypatch.setitem(
+            bench._VARIANTS, variant, lambda plan, v=variant, s=stand_in: ran.append(v) or s(plan)
+        )
+    options = bench.BenchOptions(
+        mode="push", allocation="contiguous", block_kib=4, num_blocks=8, regions=2, requests=2,
+        blocks_per_request=2, inflight=1, seed=0, variants=("raw_unmerged",),
+    )  # fmt: skip
+    assert options.variants == ("raw", "raw_unmerged", "engine")  # a2 and b always run
+    report = bench.run_bench(options, lambda _: None)
+    assert ran == ["raw", "raw_unmerged", "engine"] and report["variants"] == ran
+    assert report["ratio_engine_raw"] == report["ratio_raw_unmerged"] == pytest.approx(1.0)
+    assert report["ratio_coalesced_raw"] is None and "coalesced_gbps" not in report
+    with pytest.raises(ValueError, match="unknown variants"):
+        bench.BenchOptions(
+            mode="push", allocation="contiguous", block_kib=4, num_blocks=8, regions=2,
+            requests=2, blocks_per_request=2, inflight=1, seed=0, variants=("fastest",),
+        )  # fmt: skip

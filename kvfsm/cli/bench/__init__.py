@@ -12,7 +12,7 @@ import sys
 from kvfsm.cli._parsing import Commands
 from kvfsm.cli._render import bench_table, progress_bar
 from kvfsm.cli.bench._memory import MEMORIES, unavailable
-from kvfsm.cli.bench._run import BenchOptions, run_bench, steps
+from kvfsm.cli.bench._run import VARIANTS, BenchOptions, run_bench, steps
 
 __all__ = ["BenchOptions", "add_command", "run_bench"]
 
@@ -60,6 +60,10 @@ def add_command(commands: Commands) -> None:
         "--control-total", type=int, default=10000,
         help="lifecycles per control-plane measurement (0 skips it)",
     )  # fmt: skip
+    bench.add_argument(
+        "--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+        help="which variants run (raw and engine always do: b/a2 is the headline)",
+    )  # fmt: skip
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(run=_execute)
 
@@ -76,6 +80,7 @@ def _execute(args: argparse.Namespace) -> int:
             more_inflight=tuple(args.inflight[1:]),
             control_in_flight=tuple(args.control_in_flight), control_total=args.control_total,
             ucx_error_handling=args.ucx_error_handling, repeat=args.repeat, memory=args.memory,
+            variants=tuple(args.variants),
         )  # fmt: skip
     except ValueError as exc:
         print(f"kvfsm bench: {exc}", file=sys.stderr)

@@ -25,7 +25,7 @@ from kvfsm.cli.bench._raw import BenchPlan, gbps, memcpy_gbps, plan_requests, ru
 from kvfsm.core import Mode
 from kvfsm.fabric import UcxErrorHandling
 
-__all__ = ["BenchOptions", "run_bench"]
+__all__ = ["VARIANTS", "BenchOptions", "run_bench"]
 
 # Report key -> how to run it, in the order they run.
 _VARIANTS: dict[str, Callable[[BenchPlan], dict[str, Any]]] = {
@@ -34,6 +34,16 @@ _VARIANTS: dict[str, Callable[[BenchPlan], dict[str, Any]]] = {
     "raw_unmerged": lambda plan: run_variant(plan, "raw_unmerged"),
     "engine": lambda plan: run_engine_variant(plan, coalesce=False),
     "coalesced": lambda plan: run_engine_variant(plan, coalesce=True),
+}
+VARIANTS = tuple(_VARIANTS)
+"""The variants' report keys; "raw" and "engine" (a2 and b, the headline ratio) always run."""
+# Ratio key -> (numerator, denominator) variants; a ratio is None where one of them did not run.
+_RATIOS = {
+    "ratio_engine_raw": ("engine", "raw"),
+    "ratio_coalesced_raw": ("coalesced", "raw_vllm_style"),
+    "ratio_coalesced_engine": ("coalesced", "engine"),
+    "ratio_raw_vllm_style": ("raw", "raw_vllm_style"),
+    "ratio_raw_unmerged": ("raw", "raw_unmerged"),
 }
 
 
@@ -45,9 +55,14 @@ class BenchOptions:
                  seed: int, control_in_flight: tuple[int, ...] = (),
                  control_total: int = 0, ucx_error_handling: UcxErrorHandling = "peer",
                  repeat: int = 1, memory: Memory = "dram",
-                 more_inflight: tuple[int, ...] = ()) -> None:  # fmt: skip
+                 more_inflight: tuple[int, ...] = (),
+                 variants: tuple[str, ...] = VARIANTS) -> None:  # fmt: skip
         """`inflight`: the headline's transfers in flight at most; `more_inflight`: further
-        numbers every variant also runs at (`by_inflight`)."""
+        numbers every variant also runs at (`by_inflight`); `variants`: which run (a GPU's
+        short lease may want a2 and b alone)."""
+        if unknown := set(variants) - set(VARIANTS):
+            raise ValueError(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
+        self.variants = tuple(v for v in VARIANTS if v in {"raw", "engine", *variants})
         if min(block_kib, num_blocks, regions, requests, blocks_per_request, inflight, repeat,
                *more_inflight) < 1:  # fmt: skip
             raise ValueError("every size and count must be at least 1")
@@ -104,7 +119,9 @@ def run_bench(options: BenchOptions, advance: Callable[[int], None]) -> dict[str
     report |= _control_plane(options, advance)
     report |= {
         "ratio_raw_memcpy": report["raw_gbps"] / report["memcpy_gbps"],
-        "ratio_coalesced_memcpy": report["coalesced_gbps"] / report["memcpy_gbps"],
+        "ratio_coalesced_memcpy": (
+            report["coalesced_gbps"] / report["memcpy_gbps"] if "coalesced_gbps" in report else None
+        ),
         "verified": all(bool(figures["verified"]) for figures in sweep.values()),
     }
     return report
@@ -116,10 +133,10 @@ def _transfers(
     """Every variant's rounds at `plan.inflight`: medians, rounds, latency and ratios."""
     # Rounds of every variant in turn, so that a slow spell of this shared machine hits them
     # alike; each variant reports its median run.
-    runs: dict[str, list[dict[str, Any]]] = {variant: [] for variant in _VARIANTS}
+    runs: dict[str, list[dict[str, Any]]] = {variant: [] for variant in options.variants}
     for _ in range(options.repeat):
-        for variant, run in _VARIANTS.items():
-            runs[variant].append(run(plan))
+        for variant in options.variants:
+            runs[variant].append(_VARIANTS[variant](plan))
             advance(1)
     figures: dict[str, Any] = {}
     medians = {}
@@ -134,19 +151,19 @@ def _transfers(
     raw_us, engine_us = (
         1e-3 * plan.bytes_per_request / figures[f"{v}_gbps"] for v in ("raw", "engine")
     )
-    return figures | {
+    ratios = {
+        key: figures[f"{a}_gbps"] / figures[f"{b}_gbps"] if a in runs and b in runs else None
+        for key, (a, b) in _RATIOS.items()
+    }
+    return figures | ratios | {
+        "variants": list(runs),
         "raw_time_us_per_request": raw_us,
         "engine_extra_us_per_request": engine_us - raw_us,
-        "ratio_engine_raw": figures["engine_gbps"] / figures["raw_gbps"],
         # b/a2 within each round: how far the headline ratio (of the medians) can be trusted.
         "ratio_engine_raw_by_round": [
             b / a2
             for b, a2 in zip(figures["engine_gbps_runs"], figures["raw_gbps_runs"], strict=True)
         ],
-        "ratio_coalesced_raw": figures["coalesced_gbps"] / figures["raw_vllm_style_gbps"],
-        "ratio_coalesced_engine": figures["coalesced_gbps"] / figures["engine_gbps"],
-        "ratio_raw_vllm_style": figures["raw_gbps"] / figures["raw_vllm_style_gbps"],
-        "ratio_raw_unmerged": figures["raw_gbps"] / figures["raw_unmerged_gbps"],
         "verified": all(bool(r["verified"]) for results in runs.values() for r in results),
     }  # fmt: skip
 
@@ -200,4 +217,4 @@ def _control_plane(options: BenchOptions, advance: Callable[[int], None]) -> dic
 def steps(options: BenchOptions) -> int:
     """Progress steps of one run."""
     sweep = 1 + len(options.more_inflight)
-    return len(_VARIANTS) * options.repeat * sweep + 1 + len(options.control_in_flight)
+    return len(options.variants) * options.repeat * sweep + 1 + len(options.control_in_flight)

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The GPU checks as one prepared run (a lent GPU machine is held minutes, not hours): which
+# transport pull's READs of CUDA memory take, the VRAM tests, and `kvfsm bench --memory vram`
+# (a2 and b) at 1, 8 and 64 MiB a request, push and pull, 4 and 32 in flight. Results go to
+# $OUT: results.jsonl (one bench report a line), log.txt, vram_tests.txt, proto_*.txt.
+# Wheels in .whl/ (nixl-cu13, nixl, msgspec, transitions, pyzmq) are installed first if present.
+set -u
+OUT=${OUT:-/tmp/kvfsm-gpu}
+BUDGET_S=${BUDGET_S:-400}  # no step starts after this many seconds
+mkdir -p "$OUT"
+start=$(date +%s)
+log() { echo "[$(($(date +%s) - start)) s] $*" | tee -a "$OUT/log.txt"; }
+late() { [ $(($(date +%s) - start)) -ge "$BUDGET_S" ]; }
+
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+fi
+nvidia-smi -L >>"$OUT/log.txt" 2>&1
+python3 -c "import torch, nixl; print('torch', torch.__version__, torch.cuda.get_device_name())" \
+    >>"$OUT/log.txt" 2>&1
+
+# bench NAME TIMEOUT ARGS...: one `kvfsm bench --json` run, its report appended to results.jsonl.
+bench() {
+    local name=$1 limit=$2
+    shift 2
+    if late; then log "skipped $name (budget)"; return; fi
+    log "bench $name: $*"
+    timeout "$limit" python3 -m kvfsm.cli bench --memory vram --regions 32 --block-kib 32 \
+        --repeat 2 --control-total 0 --variants raw engine --json "$@" \
+        >"/tmp/$name.out" 2>"/tmp/$name.err"
+    local rc=$? line
+    line=$(grep '^{' "/tmp/$name.out" | tail -1)
+    echo "{\"name\": \"$name\", \"rc\": $rc, \"report\": ${line:-null}}" >>"$OUT/results.jsonl"
+    log "done $name rc=$rc"
+    tail -5 "/tmp/$name.err" >>"$OUT/log.txt"
+}
+
+# 1. READs of CUDA memory: UCX's own choice (n) against kvfsm's default (y), with UCX's
+#    protocol report, 8 MiB a request.
+for get in n y; do
+    UCX_CUDA_IPC_ENABLE_GET_ZCOPY=$get UCX_PROTO_INFO=y bench "probe_pull_get_$get" 120 \
+        --mode pull --blocks 512 --blocks-per-request 8 --requests 64 --inflight 4 --repeat 1
+    grep -i -E "get|cuda_ipc|tcp" "/tmp/probe_pull_get_$get.out" | head -80 >"$OUT/proto_$get.txt"
+done
+
+# 2. The VRAM tests.
+log "tests/nixl/test_vram.py"
+timeout 180 python3 -m pytest -q -p no:cacheprovider tests/nixl/test_vram.py \
+    >"$OUT/vram_tests.txt" 2>&1
+log "vram tests rc=$?"
+
+# 3. The bench at three sizes, push and pull.
+bench push_8 120 --mode push --blocks 512 --blocks-per-request 8 --requests 64 --inflight 4 32
+bench pull_8 120 --mode pull --blocks 512 --blocks-per-request 8 --requests 64 --inflight 4 32
+bench push_64 120 --mode push --blocks 2048 --blocks-per-request 64 --requests 32 --inflight 4 32
+bench pull_64 120 --mode pull --blocks 2048 --blocks-per-request 64 --requests 32 --inflight 4 32
+bench push_1 120 --mode push --blocks 64 --blocks-per-request 1 --requests 64 --inflight 4 32
+bench pull_1 120 --mode pull --blocks 64 --blocks-per-request 1 --requests 64 --inflight 4 32
+# 4. Host memory on the same machine, for the like-for-like gap at 1 MiB.
+bench dram_push_1 120 --memory dram --mode push --blocks 64 --blocks-per-request 1 \
+    --requests 64 --inflight 4 32
+log "finished"
