@@ -61,15 +61,19 @@ drops a connection whose data stays unacknowledged this long, and with it the by
 given up on (released handles do not recall bytes already in the socket). Without it they wait
 for the link for up to ~15 minutes of retries. 10 s is D's default stall bound: a link silent
 that long has failed the transfers anyway (docs/security.md)."""
-UCX_DEFAULTS: Mapping[str, str] = {
-    "UCX_TCP_USER_TIMEOUT": TCP_USER_TIMEOUT_DEFAULT,
-    # UCX turns READs of CUDA memory over CUDA IPC off where NVML finds no active NVLink (one
-    # GPU, or PCIe-only ones), and READs then go through host memory over TCP: pull over VRAM
-    # on one host ran at under 1 GB/s while WRITEs ran at CUDA IPC's speed (docs/performance.md).
-    "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y",
+UCX_DEFAULTS: Mapping[str, Mapping[str, str]] = {
+    "DRAM": {"UCX_TCP_USER_TIMEOUT": TCP_USER_TIMEOUT_DEFAULT},
+    "VRAM": {
+        "UCX_TCP_USER_TIMEOUT": TCP_USER_TIMEOUT_DEFAULT,
+        # UCX turns READs over CUDA IPC off where NVML finds no active NVLink (one GPU, or
+        # PCIe-only ones); READs of CUDA memory then go through host memory over TCP, pull
+        # 45 times slower than push (docs/performance.md). Not set for DRAM: a UCX built
+        # without CUDA warns of the unused variable.
+        "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y",
+    },
 }
-"""UCX settings a `NixlFabric` puts in the environment where the user set none: UCX reads them
-from there when the backend starts, and NIXL passes no others through."""
+"""By memory type, the UCX settings a `NixlFabric` puts in the environment where the user set
+none: UCX reads them from there when the backend starts, and NIXL passes no others through."""
 TCP_DRAIN_SLACK_S = 2.0
 """Added to the TCP user timeout: the kernel's retransmission timer checks it late by up to
 an RTO, and what a returning link delivers before the timeout takes time to arrive."""
@@ -151,7 +155,7 @@ class NixlFabric:
                 enable_prog_thread=progress_thread, capture_telemetry=telemetry, backends=[]
             )
             agent = api.nixl_agent(name, config)
-            for key, value in UCX_DEFAULTS.items():  # read when the backend starts
+            for key, value in UCX_DEFAULTS[mem_type].items():  # read when the backend starts
                 os.environ.setdefault(key, value)
             # The UCX backend is created here, not by the config, to pass it init parameters.
             with self._translated:

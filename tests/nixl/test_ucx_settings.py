@@ -12,15 +12,17 @@ from kvfsm.fabric import UCX_DEFAULTS, NixlFabric
 _GET_ZCOPY = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 
 
-def test_reads_of_cuda_memory_may_use_cuda_ipc_unless_the_user_says_otherwise(
+def test_a_vram_fabric_lets_reads_of_cuda_memory_use_cuda_ipc(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv(_GET_ZCOPY, raising=False)  # restored after the test
-    fabric = NixlFabric("ucx-defaults")
-    fabric.close()
-    assert os.environ[_GET_ZCOPY] == UCX_DEFAULTS[_GET_ZCOPY] == "y"
+    NixlFabric("ucx-dram").close()
+    assert _GET_ZCOPY not in os.environ  # UCX without CUDA would warn of it
+    NixlFabric("ucx-vram", mem_type="VRAM").close()
+    assert os.environ[_GET_ZCOPY] == UCX_DEFAULTS["VRAM"][_GET_ZCOPY] == "y"
 
+
+def test_the_users_own_setting_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(_GET_ZCOPY, "n")
-    fabric = NixlFabric("ucx-user")
-    fabric.close()
+    NixlFabric("ucx-user", mem_type="VRAM").close()
     assert os.environ[_GET_ZCOPY] == "n"

@@ -145,14 +145,19 @@ class _Outputs:
         """The next report (D), waiting until `deadline` at most."""
         return self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
 
-    def until_finished(self, n: int, deadline: float) -> dict[str, Any]:
-        """Wait for the n-th request to end and its trace to arrive; then the rows posted and
-        moved, and when each request first reached each state and took each event ("on" it)."""
+    def wait_ended(self, n: int, deadline: float) -> None:
+        """Wait, without spending CPU, for the n-th request to end and its trace to arrive."""
         with self._ended:
             if not self._ended.wait_for(
                 lambda: self.traced >= n, max(0.0, deadline - time.monotonic())
             ):
                 raise TimeoutError(f"{self.traced} of {n} requests ended")
+
+    def until_finished(self, n: int, deadline: float) -> dict[str, Any]:
+        """Wait for the n-th request to end and its trace to arrive; then the rows posted and
+        moved, and when each request first reached each state and took each event ("on" it)."""
+        self.wait_ended(n, deadline)
+        with self._ended:
             histories = dict(self.histories)
             figures: dict[str, Any] = {"descriptors": self.posted, "fabric_descriptors": self.moved}
         # Off the loop's thread, after the timed run: the traces are kept as they came.
@@ -178,8 +183,11 @@ def _producer(plan: BenchPlan, loop: Any, outputs: _Outputs, conn: Connection) -
     conn.send(("admitted",))
     conn.recv()  # D's warm-up request arrived: the timed run starts
     cpu0 = time.process_time()
-    conn.recv()  # D received every request
+    # P's part ends with its last request, not when the driver hears from D (which checks
+    # every byte first): P's CPU while it waits for that is not the hand-off's.
+    outputs.wait_ended(len(plan.src) + 1, time.monotonic() + _BOUND_S)
     cpu = time.process_time() - cpu0
+    conn.recv()  # D received every request
     return {"cpu_s": cpu} | outputs.until_finished(len(plan.src) + 1, time.monotonic() + _BOUND_S)
 
 
