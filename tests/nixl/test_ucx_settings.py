@@ -15,7 +15,10 @@ _GET_ZCOPY = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 def test_a_vram_fabric_lets_reads_of_cuda_memory_use_cuda_ipc(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.delenv(_GET_ZCOPY, raising=False)  # restored after the test
+    # setenv first: a delenv of an absent variable is not undone, and the fabric's setting
+    # would leak into later tests' subprocesses (a UCX without CUDA warns of it on stdout).
+    monkeypatch.setenv(_GET_ZCOPY, "")
+    monkeypatch.delenv(_GET_ZCOPY)
     NixlFabric("ucx-dram").close()
     assert _GET_ZCOPY not in os.environ  # UCX without CUDA would warn of it
     NixlFabric("ucx-vram", mem_type="VRAM").close()
