@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
+import contextlib
+import io
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
 
 from kvfsm.cli import bench, check, demo, diagrams, scenario
 
@@ -18,4 +22,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         command.add_command(commands)
     args = parser.parse_args(argv)
     run: Callable[[argparse.Namespace], int] = args.run
-    return run(args)
+    if not getattr(args, "json", False):
+        return run(args)
+    with _json_only_on_stdout():
+        return run(args)
+
+
+@contextlib.contextmanager
+def _json_only_on_stdout() -> Iterator[None]:
+    """While a `--json` command runs, file descriptor 1 is stderr's, so what native code (UCX
+    warns of settings there) and child processes write cannot corrupt the JSON; Python's
+    `sys.stdout` still reaches the real stdout (or whatever a caller put in its place)."""
+    sys.stdout.flush()
+    try:
+        real_stdout = sys.stdout.fileno() == 1
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        real_stdout = False  # a caller's own stream (tests, redirect_stdout): left in place
+    saved = os.dup(1)
+    previous = sys.stdout
+    try:
+        os.dup2(2, 1)
+        if real_stdout:
+            sys.stdout = open(saved, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
+        yield
+    finally:
+        sys.stdout.flush()
+        if sys.stdout is not previous:
+            sys.stdout.close()
+            sys.stdout = previous
+        os.dup2(saved, 1)
+        os.close(saved)

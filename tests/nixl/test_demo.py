@@ -5,6 +5,7 @@ and pull; and `kvfsm demo` as a user runs it."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +67,20 @@ def test_cli_default_is_the_real_fabric() -> None:
     assert report["fabric"] == "nixl" and report["model"] == "llama3-8b"
     assert report["done"] == 6 and report["verified"] is True
     assert {"gbps", "handoff_ms_p50", "handoff_ms_p99"} <= report.keys()
+
+
+def test_json_output_stays_json_when_ucx_warns() -> None:
+    # UCX prints a warning for each UCX_ variable it does not know, from native code and from
+    # every child process, on file descriptor 1: with --json only the report may reach stdout.
+    exe = Path(sys.executable).parent / "kvfsm"
+    result = subprocess.run(
+        [str(exe), "demo", "--requests", "2", "--memory-mib", "16", "--json"],
+        capture_output=True, text=True, check=False, timeout=300,
+        env=os.environ | {"UCX_KVFSM_NOT_A_SETTING": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "UCX_KVFSM_NOT_A_SETTING" in result.stderr  # the warning went to stderr instead
+    assert json.loads(result.stdout)["done"] == 2
 
 
 def test_a_corrupted_byte_is_caught_and_fails_the_run() -> None:
