@@ -6,7 +6,7 @@
 # Wheels in .whl/ (nixl-cu13, nixl, msgspec, transitions, pyzmq) are installed first if present.
 set -u
 OUT=${OUT:-/tmp/kvfsm-gpu}
-BUDGET_S=${BUDGET_S:-400}  # no step starts after this many seconds
+BUDGET_S=${BUDGET_S:-400}  # no step starts after this many seconds (a lease has 15 minutes)
 mkdir -p "$OUT"
 start=$(date +%s)
 log() { echo "[$(($(date +%s) - start)) s] $*" | tee -a "$OUT/log.txt"; }
@@ -52,14 +52,20 @@ timeout 180 python3 -m pytest -q -p no:cacheprovider tests/nixl/test_vram.py \
     >"$OUT/vram_tests.txt" 2>&1
 log "vram tests rc=$?"
 
-# 3. The bench at three sizes, push and pull.
-bench push_8 120 --mode push --blocks 512 --blocks-per-request 8 --requests 64 --inflight 4 32
-bench pull_8 120 --mode pull --blocks 512 --blocks-per-request 8 --requests 64 --inflight 4 32
-bench push_64 120 --mode push --blocks 2048 --blocks-per-request 64 --requests 32 --inflight 4 32
-bench pull_64 120 --mode pull --blocks 2048 --blocks-per-request 64 --requests 32 --inflight 4 32
-bench push_1 120 --mode push --blocks 64 --blocks-per-request 1 --requests 64 --inflight 4 32
-bench pull_1 120 --mode pull --blocks 64 --blocks-per-request 1 --requests 64 --inflight 4 32
+# 3. The bench at three sizes, push and pull. On an H100 (2026-11-27) one round of a2 and b at
+#    one number in flight took 12-25 s (fresh processes, CUDA contexts, the byte check): 8 MiB
+#    at 2 rounds x 2 numbers in flight ~110 s, 64 MiB at 1 round ~100 s, 1 MiB at 1 round ~50 s.
+bench push_8 150 --mode push --blocks 512 --blocks-per-request 8 --requests 64 --inflight 4 32
+bench pull_8 150 --mode pull --blocks 512 --blocks-per-request 8 --requests 64 --inflight 4 32
+bench push_64 150 --mode push --blocks 2048 --blocks-per-request 64 --requests 32 --inflight 4 32 \
+    --repeat 1
+bench pull_64 150 --mode pull --blocks 2048 --blocks-per-request 64 --requests 32 --inflight 4 32 \
+    --repeat 1
+bench push_1 90 --mode push --blocks 64 --blocks-per-request 1 --requests 64 --inflight 4 32 \
+    --repeat 1
+bench pull_1 90 --mode pull --blocks 64 --blocks-per-request 1 --requests 64 --inflight 4 32 \
+    --repeat 1
 # 4. Host memory on the same machine, for the like-for-like gap at 1 MiB.
 bench dram_push_1 120 --memory dram --mode push --blocks 64 --blocks-per-request 1 \
-    --requests 64 --inflight 4 32
+    --requests 64 --inflight 1 4
 log "finished"
