@@ -61,16 +61,14 @@ drops a connection whose data stays unacknowledged this long, and with it the by
 given up on (released handles do not recall bytes already in the socket). Without it they wait
 for the link for up to ~15 minutes of retries. 10 s is D's default stall bound: a link silent
 that long has failed the transfers anyway (docs/security.md)."""
+_UCX_DRAM = {"UCX_TCP_USER_TIMEOUT": TCP_USER_TIMEOUT_DEFAULT}
 UCX_DEFAULTS: Mapping[str, Mapping[str, str]] = {
-    "DRAM": {"UCX_TCP_USER_TIMEOUT": TCP_USER_TIMEOUT_DEFAULT},
-    "VRAM": {
-        "UCX_TCP_USER_TIMEOUT": TCP_USER_TIMEOUT_DEFAULT,
-        # UCX turns READs over CUDA IPC off where NVML finds no active NVLink (one GPU, or
-        # PCIe-only ones); READs of CUDA memory then go through host memory over TCP, pull
-        # 45 times slower than push (docs/performance.md). Not set for DRAM: a UCX built
-        # without CUDA warns of the unused variable.
-        "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y",
-    },
+    "DRAM": _UCX_DRAM,
+    # UCX turns READs over CUDA IPC off where NVML finds no active NVLink (one GPU, or PCIe-only
+    # ones); READs of CUDA memory then go through host memory over TCP, pull 45 times slower
+    # than push (docs/performance.md). Not set for DRAM: a UCX built without CUDA warns of the
+    # unused variable.
+    "VRAM": _UCX_DRAM | {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"},
 }
 """By memory type, the UCX settings a `NixlFabric` puts in the environment where the user set
 none: UCX reads them from there when the backend starts, and NIXL passes no others through."""

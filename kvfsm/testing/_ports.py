@@ -37,8 +37,7 @@ def _slice() -> range:
     return range(_LOWEST + index * width, _LOWEST + (index + 1) * width)
 
 
-def _candidates() -> itertools.cycle[int]:
-    ports = _slice()
+def _candidates(ports: range) -> itertools.cycle[int]:
     start = os.getpid() % len(ports)  # processes of one worker (forks) start apart
     return itertools.cycle([*ports[start:], *ports[:start]])
 
@@ -66,9 +65,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind((host, 0))
             return int(sock.getsockname()[1])
+    ports = _slice()
     if _next is None or _next[0] != os.getpid():
-        _next = (os.getpid(), _candidates())
-    for _, port in zip(range(len(_slice())), _next[1], strict=False):
+        _next = (os.getpid(), _candidates(ports))
+    for _, port in zip(ports, _next[1], strict=False):  # each candidate once at most
         if _bindable(host, port):
             return port
-    raise OSError(f"no free port on {host} in {_slice()}")
+    raise OSError(f"no free port on {host} in {ports}")

@@ -78,14 +78,14 @@ def bench_geometry(plan: BenchPlan) -> KvGeometry:
 def _rank(side: str, plan: BenchPlan, coalesce: bool, conn: Connection) -> None:
     """One rank process: serve the driver's steps, then report figures."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    from kvfsm.core import Consumer, CoreConfig, Identity, Mode, Producer
+    from kvfsm.core import Consumer, CoreConfig, Identity, Producer
     from kvfsm.harness import close_rank, open_rank
     from kvfsm.runtime import EngineLoop, KvCache
     from kvfsm.sidechannel import compat_hash
     from kvfsm.wire import WIRE_VERSION
 
     is_p = side == "P"
-    mode: Mode = "push" if plan.op == "WRITE" else "pull"
+    mode = plan.mode
     g = bench_geometry(plan)
     core = (Producer if is_p else Consumer)(Identity(side), mode, CoreConfig())
     buf = kv_buffer(plan, is_p)
@@ -287,13 +287,12 @@ def run_engine_variant(plan: BenchPlan, *, coalesce: bool) -> dict[str, Any]:
             if proc.is_alive():
                 proc.kill()
     poster = p if plan.op == "WRITE" else d
-    mode = "push" if plan.op == "WRITE" else "pull"
     return {
         "wall_s": d["wall_s"], "latency_s": d["latency_s"], "cpu_s": poster["cpu_s"],
         "verified": d["verified"], "descriptors": poster["descriptors"],
         "fabric_descriptors": poster["fabric_descriptors"],
         "idle_cpu_per_s": {"P": p["idle_cpu_per_s"], "D": d["idle_cpu_per_s"]},
-        "hops_s": handoff_hops(mode, d["admitted"], {"P": p["entered"], "D": d["entered"]},
+        "hops_s": handoff_hops(plan.mode, d["admitted"], {"P": p["entered"], "D": d["entered"]},
                                d["reported"]),
     }  # fmt: skip
 

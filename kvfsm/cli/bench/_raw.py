@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvfsm.cli.bench._memory import Memory, allocate, copy_gbps, on_host
+from kvfsm.core import Mode
 from kvfsm.fabric import UcxErrorHandling, XferHandle, buffer_span
 
 __all__ = [
@@ -77,6 +78,11 @@ class BenchPlan(msgspec.Struct, frozen=True, kw_only=True):
     def error_handling(self, variant: str) -> UcxErrorHandling:
         """The UCX error handling mode a variant's agents run with."""
         return "peer" if variant == "raw_vllm_style" else self.ucx_error_handling
+
+    @property
+    def mode(self) -> Mode:
+        """push (WRITE) or pull (READ)."""
+        return "push" if self.op == "WRITE" else "pull"
 
     @property
     def mem_type(self) -> str:
