@@ -11,6 +11,7 @@ import pytest
 from kvfsm.cli import main
 from kvfsm.cli.scenario import ScenarioError, load_scenario, run_scenario
 from kvfsm.cli.scenario._file import MAX_SCENARIO_BYTES
+from kvfsm.cli.scenario._run import _Run
 from kvfsm.core import Consumer, ReportReceived, Side
 from kvfsm.core._records import Request
 
@@ -158,3 +159,25 @@ def test_a_core_that_raises_is_reported_not_a_traceback(monkeypatch: pytest.Monk
     assert not report.passed
     assert any("raised InternalProtocolError" in v for v in report.violations), report.violations
     assert report.requests["r1"].trace  # what led there is still reported
+
+
+@pytest.mark.parametrize(("cached", "d_blocks"), [(0, 2), (1, 2), (2, 1), (3, 1), (4, 0), (9, 0)])
+def test_cached_counts_p_blocks(tmp_path: Path, cached: int, d_blocks: int) -> None:
+    """`cached` is in P blocks, as docs/scenarios.md says: with D's blocks twice P's, a prompt
+    of 4 P blocks fills 2 D blocks, and D's hit is the whole D blocks the cached ones fill."""
+    path = tmp_path / "s.toml"
+    path.write_text(
+        'description = "x"\ntimeline = [{ do = "admit", request = "r" }]\n'
+        '[[engines]]\nside = "P"\nmode = "push"\nblock_size = 4\n'
+        '[[engines]]\nside = "D"\nmode = "push"\nblock_size = 8\n'
+        f'[[requests]]\nid = "r"\nblocks = 4\ncached = {cached}\n'
+        '[[expect]]\nrequest = "r"\nside = "D"\nstate = "done"\n'
+    )
+    run = _Run(load_scenario(path), "sim")
+    run.timeline()
+    assert len(run.cluster.requests["r"].d_blocks) == d_blocks  # the D blocks D still needs
+    run.finish()
+    run.cluster.close()
+    report = run.report()
+    assert report.passed, report.violations + report.unmet
+    assert "cached = 0          # D's prefix-cache hit, in P blocks" in DOCS.read_text()

@@ -87,7 +87,8 @@ class RequestSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     id: _Name
     blocks: Annotated[int, msgspec.Meta(ge=0, le=64)] = 2
     cached: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
-    """D's prefix-cache hit, in P blocks."""
+    """D's prefix-cache hit, in P blocks; D holds the whole D blocks they fill (at most
+    `blocks`)."""
     same_id: bool = False
     """P and D know the request by the same id (else D learns P's id from the params)."""
 

@@ -114,6 +114,7 @@ class _Run:
         self.unmet: list[str] = []
         self.crash = ""
         self.start = self.cluster.now
+        self._lost: dict[str, set[str]] = {}  # agent -> requests admitted before it died
 
     def _on_finished(self, agent: str, out: Finished) -> None:
         self.finished[(agent, out.request_id)] = out
@@ -129,7 +130,8 @@ class _Run:
                 self.unmet.append(f"timeline[{i}]: {request!r} admitted twice")
             elif isinstance(step, AdmitStep):
                 spec = specs[step.request]
-                cached = min(spec.cached, spec.blocks)
+                # `cached` counts P blocks; D's prefix-cache hit is the whole D blocks they fill
+                cached = min(spec.cached, spec.blocks) // self.cluster.block_ratio
                 self.cluster.admit(spec.id, spec.blocks, cached, step.d_first, spec.same_id)
             elif request is not None and not admitted:
                 self.unmet.append(f"timeline[{i}]: {request!r} is not admitted yet")
@@ -193,6 +195,7 @@ class _Run:
         elif kind in ("release", "reorder"):
             net.release_held(agent, reverse=kind == "reorder")
         elif kind in ("kill", "cut"):
+            self._lost.setdefault(agent, set()).update(c.requests)
             c.kill(agent, reset=kind == "kill")
         elif kind == "revive":
             c.revive(agent)
@@ -211,7 +214,8 @@ class _Run:
 
     def state(self, key: str, agent: str) -> str:
         """The request's state on `agent` now: its core state, its terminal state once it
-        ended, "dead" if the rank's process died, "absent" if it never reached the rank."""
+        ended, "dead" if the rank's process died with it (a revived rank never knew it),
+        "absent" if it never reached the rank."""
         if key not in self.cluster.requests:
             return "absent"
         rid = self._id(key, agent)
@@ -221,7 +225,9 @@ class _Run:
         if req is not None:
             return req.state
         done = self.finished.get((agent, rid))
-        return done.state if done is not None else "absent"
+        if done is not None:
+            return done.state
+        return "dead" if key in self._lost.get(agent, ()) else "absent"
 
     def _expect(self, where: str, key: str, agent: str, states: str | list[str]) -> None:
         wanted = _states(states)
