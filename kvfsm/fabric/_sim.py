@@ -17,6 +17,8 @@ delivers what its socket held).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
+from typing import TypeAlias
 
 import msgspec
 import numpy as np
@@ -38,9 +40,12 @@ from kvfsm.fabric._protocol import (
 from kvfsm.fabric._sim_faults import SimFaults, _Completion, _FaultyClock, _LateBytes, _Notif
 from kvfsm.fabric._sim_rows import (
     I64,
+    META_KIND,
     Dlist,
+    Meta,
     Region,
     Xfer,
+    check_buffer,
     copy_rows,
     indices,
     merged_rows,
@@ -48,18 +53,11 @@ from kvfsm.fabric._sim_rows import (
     written_ranges,
 )
 
-__all__ = ["SimFabric", "SimNetwork"]
+__all__ = ["BytesObserver", "SimFabric", "SimNetwork"]
+
+BytesObserver: TypeAlias = Callable[[str, list[tuple[int, int]], str, list[tuple[int, int]]], None]
 
 _NETWORK_IDS = itertools.count(1)  # tells metadata of different networks apart
-_META_KIND = "kvfsm-sim/1"
-
-
-class _Meta(msgspec.Struct, frozen=True):
-    kind: str
-    net: int
-    name: str
-    gen: int  # incarnation: a revived agent is a new one
-    regions: list[tuple[int, int, int]]  # (memory handle, address, length) at export time
 
 
 class SimFabric:
@@ -77,7 +75,7 @@ class SimFabric:
         self._cut = False  # killed with reset=False: its link is cut
         self._superseded = False  # revived: a new process answers on its address
         self._regions: dict[MemoryHandle, Region] = {}
-        self._remotes: dict[str, _Meta] = {}
+        self._remotes: dict[str, Meta] = {}
         self._dlists: dict[DlistHandle, Dlist] = {}
         self._xfers: dict[XferHandle, Xfer] = {}
         self._released_done: set[XferHandle] = set()
@@ -118,7 +116,7 @@ class SimFabric:
             raise NotFoundError(f"unknown transfer handle {handle} on agent {self._name!r}")
         return x
 
-    def _remote(self, agent: str) -> _Meta:
+    def _remote(self, agent: str) -> Meta:
         meta = self._remotes.get(agent)
         if meta is None:
             raise NotFoundError(f"remote agent {agent!r} is not loaded on {self._name!r}")
@@ -127,12 +125,7 @@ class SimFabric:
     def register_memory(self, buffer: npt.NDArray[np.uint8]) -> MemoryHandle:
         """Register a contiguous, writeable, non-empty 1-D ``uint8`` array."""
         self._usable()
-        if not isinstance(buffer, np.ndarray) or buffer.dtype != np.uint8:
-            raise TypeError("register_memory needs a numpy uint8 array")
-        if buffer.ndim != 1 or not buffer.flags.c_contiguous:
-            raise ValueError("register_memory needs a contiguous 1-D array")
-        if buffer.size == 0 or not buffer.flags.writeable:
-            raise ValueError("register_memory needs a non-empty, writeable array")
+        check_buffer(buffer)
         handle = self._net._next_id()
         self._regions[handle] = Region(buffer, int(buffer.ctypes.data), int(buffer.size))
         return handle
@@ -147,18 +140,18 @@ class SimFabric:
         """JSON snapshot: name, incarnation and the memory registered so far."""
         self._usable()
         regions = [(h, r.addr, r.length) for h, r in sorted(self._regions.items())]
-        meta = _Meta(_META_KIND, self._net._id, self._name, self._gen, regions)
+        meta = Meta(META_KIND, self._net._id, self._name, self._gen, regions)
         return msgspec.json.encode(meta)
 
     def add_remote_agent(self, metadata: bytes) -> str:
         """Load (or reload) a peer's metadata; returns its name. Malformed: `FabricError`."""
         self._usable()
         try:
-            meta = msgspec.json.decode(metadata, type=_Meta)
+            meta = msgspec.json.decode(metadata, type=Meta)
         except (msgspec.DecodeError, TypeError) as e:
             raise FabricError(f"malformed agent metadata: {e}") from e
         peer = self._net._incarnations.get(meta.gen)
-        if meta.kind != _META_KIND or meta.net != self._net._id or peer is None:
+        if meta.kind != META_KIND or meta.net != self._net._id or peer is None:
             raise FabricError("agent metadata is not from this SimNetwork")
         if peer.agent_name != meta.name:
             raise FabricError(f"agent metadata names {meta.name!r}, inconsistently")
@@ -366,7 +359,10 @@ class SimFabric:
 class SimNetwork(_FaultyClock):
     """Agents, a virtual clock (seconds, from 0) and seeded faults; see the module docstring.
 
-    Clock, fault-injection and counter methods are inherited from `_FaultyClock`.
+    Clock, fault-injection and counter methods are inherited from `_FaultyClock`. `on_bytes`,
+    if set, is called whenever a transfer's bytes land, at any latency: (agent written, ranges
+    written, agent read, ranges read), host addresses [start, end); late bytes
+    (`SimFaults.late_delivery`) were read before their release: no ranges read. The ledger's eyes.
     """
 
     def __init__(self, seed: int = 0, faults: SimFaults | None = None) -> None:
@@ -375,6 +371,7 @@ class SimNetwork(_FaultyClock):
         self._ids = itertools.count(1)  # handles are unique network-wide: misuse is NotFound
         self._live: dict[str, SimFabric] = {}
         self._incarnations: dict[int, SimFabric] = {}
+        self.on_bytes: BytesObserver | None = None
 
     def agent(self, name: str) -> SimFabric:
         """Create an agent; `ValueError` if an agent of that name is alive."""
@@ -452,11 +449,10 @@ class SimNetwork(_FaultyClock):
         if target._silent:
             return  # a black hole never answers
         rows = len(x.length) if fail_rows is None else fail_rows
-        if (
-            target._refuses
-            or not copy_rows(x, rows, fabric._regions, target._regions)
-            or fail_rows is not None
-        ):
+        copied = not target._refuses and copy_rows(x, rows, fabric._regions, target._regions)
+        if copied:
+            self._landed(fabric, target, x, rows)
+        if not copied or fail_rows is not None:
             x.state = "ERR"
             self._stats.xfers_err += 1
             return
@@ -472,6 +468,13 @@ class SimNetwork(_FaultyClock):
         live = fabric._down is None and target._down is None and not target._silent
         if live and copy_rows(x, len(x.length), fabric._regions, target._regions):
             self._stats.late_bytes += int(x.length.sum())
+            self._landed(fabric, target, x, None)
+
+    def _landed(self, initiator: SimFabric, target: SimFabric, x: Xfer, rows: int | None) -> None:
+        into, out = (target, initiator) if x.op == "WRITE" else (initiator, target)
+        if self.on_bytes is not None:  # late bytes (rows None) were read before their release
+            read = [] if rows is None else written_ranges(x, out._regions, rows, read=True)
+            self.on_bytes(into.agent_name, written_ranges(x, into._regions, rows), out._name, read)
 
     def late_writes_into(self, agent: str) -> list[tuple[int, int]]:
         """The byte ranges [start, end) (host addresses) of `agent`'s memory that bytes of

@@ -1,23 +1,35 @@
 """How the simulated fabric reads descriptor rows: which registered region and offset each row
 lies in, checked index arrays, how many rows NIXL's prepped path would merge, and the records
-of prepared lists and made transfers."""
+of agents' metadata, prepared lists and made transfers."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from kvfsm.fabric._protocol import FabricError, XferOp
 
 __all__ = [
-    "I64", "Dlist", "Region", "Xfer", "copy_rows", "indices", "merged_rows", "resolve",
-    "written_ranges",
+    "I64", "META_KIND", "Dlist", "Meta", "Region", "Xfer", "check_buffer", "copy_rows", "indices", "merged_rows",
+    "resolve", "written_ranges",
 ]  # fmt: skip
 
 I64 = npt.NDArray[np.int64]
+META_KIND = "kvfsm-sim/1"
+
+
+class Meta(msgspec.Struct, frozen=True):
+    """An agent's metadata, as peers load it: a snapshot of its memory at export time."""
+
+    kind: str
+    net: int  # the network's id
+    name: str
+    gen: int  # incarnation: a revived agent is a new one
+    regions: list[tuple[int, int, int]]  # (memory handle, address, length) at export time
 
 
 @dataclass(slots=True)
@@ -104,14 +116,29 @@ def indices(idx: object, n: int, what: str) -> I64:
     return out
 
 
-def written_ranges(x: Xfer, regions: dict[int, Region]) -> list[tuple[int, int]]:
-    """The host-address ranges [start, end) that `x` writes, given the written agent's regions
-    by memory handle; rows in regions gone since are left out."""
+def check_buffer(buffer: object) -> None:
+    """Raise unless `buffer` is what `register_memory` takes: a contiguous, writeable,
+    non-empty 1-D ``uint8`` numpy array."""
+    if not isinstance(buffer, np.ndarray) or buffer.dtype != np.uint8:
+        raise TypeError("register_memory needs a numpy uint8 array")
+    if buffer.ndim != 1 or not buffer.flags.c_contiguous:
+        raise ValueError("register_memory needs a contiguous 1-D array")
+    if buffer.size == 0 or not buffer.flags.writeable:
+        raise ValueError("register_memory needs a non-empty, writeable array")
+
+
+def written_ranges(
+    x: Xfer, regions: dict[int, Region], rows: int | None = None, *, read: bool = False
+) -> list[tuple[int, int]]:
+    """The host-address ranges [start, end) that the first `rows` pairs of `x` (all by default)
+    write, given the written agent's regions by memory handle; with `read`, the ranges they read,
+    given the read agent's. Rows in regions gone since are left out."""
+    remote = (x.op == "WRITE") != read
     handles, offsets = (
-        (x.remote_region, x.remote_offset) if x.op == "WRITE" else (x.local_region, x.local_offset)
+        (x.remote_region, x.remote_offset) if remote else (x.local_region, x.local_offset)
     )
     out = []
-    for h, off, n in zip(handles, offsets, x.length, strict=True):
+    for h, off, n in zip(handles[:rows], offsets[:rows], x.length[:rows], strict=True):
         region = regions.get(int(h))
         if region is not None:
             start = region.addr + int(off)

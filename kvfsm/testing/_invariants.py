@@ -78,6 +78,8 @@ class Ledger:
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
         self.violations: list[str] = []
+        self.internal_errors: list[str] = []
+        """Bugs the engines contained (`InternalError`): a finding, though nothing leaked."""
         self._by_id: dict[tuple[str, str], PairedRequest] = {}
         self._owed: dict[str, set[str]] = {}  # request key -> agents that still owe a release
         self._released: Counter[tuple[str, str]] = Counter()
@@ -87,15 +89,18 @@ class Ledger:
         self._late_posts: set[tuple[str, str, str]] = set()
         self.finals: Counter[str] = Counter()
         self.verified_bytes = 0
+        self._holding: dict[str, Counter[int]] = {}  # agent -> blocks its live requests hold
+        cluster.network.on_bytes = self.bytes_landed  # the simulated fabric's every copy
 
     def admitted(self, pr: PairedRequest) -> None:
         """Both sides' live ranks owe one release of the request's blocks."""
         owed = set()
-        for side, rid in (("P", pr.p_id), ("D", pr.d_id)):
+        for side, rid, blocks in (("P", pr.p_id, pr.p_blocks), ("D", pr.d_id, pr.d_blocks)):
             for agent in self.cluster.agents(side):
                 if agent not in self.cluster.dead:
                     self._by_id[(agent, rid)] = pr
                     owed.add(agent)
+                    self._holding.setdefault(agent, Counter()).update(blocks.tolist())
         self._owed[pr.key] = owed
 
     def request_of(self, agent: str, request_id: str) -> PairedRequest | None:
@@ -104,6 +109,7 @@ class Ledger:
 
     def forget_engine(self, agent: str) -> None:
         """A dead engine's requests died with it: it owes nothing any more."""
+        self._holding.pop(agent, None)
         for key, owed in self._owed.items():
             if agent in owed:
                 owed.discard(agent)
@@ -115,6 +121,9 @@ class Ledger:
         self._released[(agent, pr.key)] += 1
         if self._released[(agent, pr.key)] > 1:
             self._violate(f"no leak: {agent} released {pr.key} twice")
+        else:
+            held = self._holding.get(agent, Counter())
+            held.subtract((pr.p_blocks if side == "P" else pr.d_blocks).tolist())
         if side == "P":
             self._check_no_early_free(agent, pr)
         else:
@@ -152,7 +161,7 @@ class Ledger:
 
     def quiescence(self) -> list[str]:
         """Properties 1 and 5 once the cluster settled: nothing live, nothing owed, nothing held."""
-        problems = list(self.violations)
+        problems = self.violations + self.internal_errors
         for key, owed in self._owed.items():
             for agent in owed:
                 problems.append(f"terminal/no leak: {agent} never released {key}")
@@ -193,6 +202,32 @@ class Ledger:
                     self._violate(f"{rule}: {engine.agent} posted a {flight.op} for {pr.key} "
                                   f"after {flight.peer} released its blocks")  # fmt: skip
 
+    def bytes_landed(
+        self, into: str, written: list[tuple[int, int]], out: str, read: list[tuple[int, int]]
+    ) -> None:
+        """The simulated fabric moved bytes (at any latency, inside a post too): they may land
+        only in blocks a live request holds on D's side (no late write) and come only from
+        blocks one holds on P's (no early free)."""
+        for agent, ranges, rule in ((into, written, "no late write"), (out, read, "no early free")):
+            loose = self._unheld_blocks(agent, ranges)
+            if loose:
+                verb = "landed in" if rule == "no late write" else "were read from"
+                self._violate(f"{rule}: bytes {verb} {agent}'s blocks {loose}, held by no request")
+
+    def _unheld_blocks(self, agent: str, ranges: list[tuple[int, int]]) -> list[int]:
+        engine = self.cluster.engines.get(agent)
+        if engine is None or not ranges:
+            return []
+        held, kv = self._holding.get(agent, Counter()), engine.kv
+        touched: set[int] = set()
+        for region in kv.regions():
+            base, size = region.ctypes.data, region.nbytes
+            block = size // kv.geometry.num_blocks
+            for start, end in ranges:
+                if base <= start < base + size:
+                    touched.update(range((start - base) // block, (end - 1 - base) // block + 1))
+        return sorted(b for b in touched if held[b] <= 0)
+
     def _check_no_early_free(self, agent: str, pr: PairedRequest) -> None:
         for engine, flight in self._moving():
             reads_p = (engine.agent == agent and flight.request_id == pr.p_id) or (
@@ -214,7 +249,8 @@ class Ledger:
 
     def _holds(self, agent: str, pr: PairedRequest) -> bool:
         engine = self.cluster.engines.get(agent)
-        return engine is not None and engine.side.quarantine.holds(pr.d_id)
+        rid = pr.p_id if agent.startswith("P") else pr.d_id
+        return engine is not None and engine.side.quarantine.holds(rid)
 
     def _check_bytes(self, agent: str, pr: PairedRequest) -> None:
         self._received.add((agent, pr.key))

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 from test_core import FAST_CONFIG, MODES, Outputs, run, run_until, settled, warm
 
-from kvfsm.core import Abort, Consumer, Identity, Mode
+from kvfsm.core import Abort, Consumer, Identity, Mode, Request
 from kvfsm.fabric import (
     TCP_DRAIN_SLACK_S,
     SimFaults,
@@ -80,6 +80,43 @@ def test_a_request_that_was_received_is_never_held(mode: Mode) -> None:
     [(t_end, fin)] = out.finished("D#0", pr.d_id)
     assert fin.state == "done" and out.releases("D#0", pr.d_id) == [t_end]
     settled(cluster)
+
+
+def _hand_back_at_abort(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planted bug: D hands a registered request's blocks back as it aborts, without waiting
+    for P to confirm that no WRITE can land."""
+    fence = Consumer._req_cmd_arm_fence
+
+    def fence_and_release(self: Consumer, req: Request) -> None:
+        fence(self, req)
+        self._req_cmd_release_blocks(req)
+
+    monkeypatch.setattr(Consumer, "_req_cmd_arm_fence", fence_and_release)
+
+
+@pytest.mark.parametrize("planted", [True, False])
+def test_a_write_into_handed_back_blocks_is_flagged_at_latency_zero(
+    monkeypatch: pytest.MonkeyPatch, planted: bool
+) -> None:
+    """With no transfer latency (the simulated fabric's default) a WRITE completes inside its
+    post: the ledger sees its bytes land, not only transfers still in flight."""
+    if planted:
+        _hand_back_at_abort(monkeypatch)
+    cluster = Cluster("push")
+    assert cluster.network.faults.transfer_latency == 0
+    warm(cluster)
+    pr = cluster.admit("r", 4)
+    p_req = cluster.engines["P#0"].side.requests[pr.p_id]
+    run_until(cluster, lambda: bool(p_req.links))  # D registered its blocks at P
+    cluster.abort("r", "D")  # D's cancel is on its way...
+    cluster.finish_prefill("r")  # ...and P posts its WRITE before it arrives
+    assert cluster.network.stats.xfers_done == 2  # the warm-up's and this one, inside the post
+    late = [v for v in cluster.ledger.violations if v.startswith("no late write")]
+    if planted:
+        assert late and "held by no request" in late[0]
+    else:
+        assert late == []
+        settled(cluster)
 
 
 def test_the_engine_takes_the_fabrics_bound_and_refuses_a_lower_one() -> None:
