@@ -42,6 +42,7 @@ class ConsumerLink(msgspec.Struct, gc=False):
     deadline: float = 0.0  # push: no WRITE may be posted at or after this time
     transfer_id: int = 0  # push: the WRITE posted to this rank
     granted: bool = False  # pull: the grant was sent
+    given_up: bool = False  # lost before anything was posted or granted to it: its share failed
 
 
 class Producer(Side):
@@ -266,7 +267,7 @@ class Producer(Side):
 
     def _req_cmd_post_transfer(self, req: Request) -> None:
         for link in req.links.values():
-            if link.transfer_id or not self._connected((link.agent,)):
+            if link.transfer_id or link.given_up or not self._connected((link.agent,)):
                 continue
             link.transfer_id = tid = self._new_transfer_id()
             self._transfers[tid] = (req.id, link.agent)
@@ -283,6 +284,13 @@ class Producer(Side):
             self._emit(
                 PostTransfer(req.id, tid, "WRITE", link.agent, req.blocks, link.block_ids, done)
             )
+
+    def _req_cmd_fail_lost_links(self, req: Request) -> None:
+        for link in req.links.values():
+            untouched = not link.transfer_id and not link.granted
+            if link.agent in req.lost and untouched and not link.given_up:
+                link.given_up = True
+                self._tally_result(req, link.agent, False)
 
     def _req_cmd_notify_peer_failed(self, req: Request) -> None:
         for link in req.links.values():
@@ -303,7 +311,7 @@ class Producer(Side):
         # the blocks (`producer_stall_s` from now): D posts only before this deadline.
         deadline = self._now + self.config.producer_stall_s - self.config.stall_s
         for link in req.links.values():
-            if not link.granted and self._connected((link.agent,)):
+            if not link.granted and not link.given_up and self._connected((link.agent,)):
                 link.granted = True
                 grant = Grant(link.request_id, req.id, *self._me, blocks, deadline)
                 self._send(link.agent, grant)
