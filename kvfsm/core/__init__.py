@@ -5,16 +5,18 @@ No threads, sockets, NIXL, sleeps or wall clock here: time is an input to `handl
 
 from kvfsm.core._config import CoreConfig, Identity, Mode, agent_name, paired_ranks
 from kvfsm.core._consumer import Consumer, ProducerLink
-from kvfsm.core._dispatch import Deadlines, Step, Tombstones
+from kvfsm.core._dispatch import Deadlines, Step, StepFailed, Tombstones
 from kvfsm.core._io import (
     Abort,
     Admit,
     CancelTransfer,
     Command,
+    CommandFailed,
     Event,
     Finished,
     HandshakeDone,
     HandshakeFailed,
+    InternalError,
     NotificationReceived,
     PeerLost,
     PostTransfer,
@@ -39,6 +41,7 @@ __all__ = [
     "Admit",
     "CancelTransfer",
     "Command",
+    "CommandFailed",
     "Consumer",
     "ConsumerLink",
     "CoreConfig",
@@ -48,6 +51,7 @@ __all__ = [
     "HandshakeDone",
     "HandshakeFailed",
     "Identity",
+    "InternalError",
     "Mode",
     "NotificationReceived",
     "Peer",
@@ -66,6 +70,7 @@ __all__ = [
     "Side",
     "StartHandshake",
     "Step",
+    "StepFailed",
     "Tick",
     "Tombstones",
     "TransferResult",

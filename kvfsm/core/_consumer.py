@@ -266,7 +266,20 @@ class Consumer(Side):
             self._runq.post(self._req, req, "cancel_acked")
 
     def _req_cmd_report_received(self, req: Request) -> None:
+        req.reported = req.released = True  # the blocks are the caller's again
         self._emit(ReportReceived(req.id, req.blocks))
 
     def _req_cmd_report_failed(self, req: Request) -> None:
+        req.reported = True
         self._emit(ReportFailed(req.id, req.blocks))
+
+    def _tell_peers_abandoned(self, req: Request) -> None:
+        if not req.reported:
+            self._req_cmd_report_failed(req)
+        self._req_cmd_send_cancel(req)
+
+    def _abandon_hold_s(self) -> float:
+        # P may post a WRITE until D's registration deadline (at most a watchdog away), and a
+        # posted one ends within P's stall bound; the fence bound covers that, as for a cancel.
+        c = self.config
+        return c.watchdog_s + c.fence_s + self.transport_drain_s

@@ -20,7 +20,7 @@ from kvfsm.lifecycle import Lifecycle, protocol_error
 
 __all__ = [
     "Deadlines", "Dispatcher", "FlatHistory", "History", "Instance", "RunQueue", "Step",
-    "Tombstones", "unflatten",
+    "StepFailed", "Tombstones", "unflatten",
 ]  # fmt: skip
 
 
@@ -63,6 +63,17 @@ class Step(NamedTuple):
     guards: dict[str, bool]
     dest: str
     commands: tuple[str, ...]
+
+
+class StepFailed(Exception):
+    """A guard or command raised while `event` ran on `inst` (a bug, never a peer's or the
+    caller's fault: those are `ProtocolError`s raised before any command runs)."""
+
+    def __init__(self, lifecycle: str, inst: Any, event: str, cause: Exception) -> None:
+        super().__init__(f"{lifecycle} {inst.id}: {inst.state} --{event}--> raised {cause!r}")
+        self.cause = cause
+        self.instances: list[Any] = [inst]
+        """The instance whose step raised, then each whose step ran it, innermost first."""
 
 
 Recorder = Callable[[Step], None]
@@ -133,18 +144,28 @@ class Dispatcher:
         # Guard values are kept for a recorder only; otherwise a scratch dict takes them.
         seen: dict[str, bool] = {} if self.recorder is not None else self._scratch
         # The loader guarantees the last rule is unguarded: a lone rule needs no evaluation.
-        rule = rules[0] if len(rules) == 1 else _choose(rules, inst, seen)
-        _, dest, actions, names, terminal = rule
-        inst.state = dest
         history = inst.history
-        if history is not None:
-            inst.history = history + (event, dest, now)  # noqa: RUF005 (faster than *)
-        if self.recorder is not None:
-            self.recorder(Step(self.lifecycle.name, inst.id, source, event, seen, dest, names))
-        for action in actions:
-            action(inst)
-        if terminal and self.on_terminal is not None:
-            self.on_terminal(inst)
+        try:
+            rule = rules[0] if len(rules) == 1 else _choose(rules, inst, seen)
+            _, dest, actions, names, terminal = rule
+            inst.state = dest
+            if history is not None:
+                inst.history = history + (event, dest, now)  # noqa: RUF005 (faster than *)
+            if self.recorder is not None:
+                self.recorder(Step(self.lifecycle.name, inst.id, source, event, seen, dest, names))
+            for action in actions:
+                action(inst)
+            if terminal and self.on_terminal is not None:
+                self.on_terminal(inst)
+        except Exception as exc:
+            # A bug in a guard or command, here or in a step this one ran: the step did not
+            # happen (commands already emitted stay emitted); the owner abandons the instances
+            # from where they were.
+            inst.state, inst.history = source, history
+            if isinstance(exc, StepFailed):
+                exc.instances.append(inst)
+                raise
+            raise StepFailed(self.lifecycle.name, inst, event, exc) from exc
         return dest
 
 

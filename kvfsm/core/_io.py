@@ -13,10 +13,12 @@ __all__ = [
     "Admit",
     "CancelTransfer",
     "Command",
+    "CommandFailed",
     "Event",
     "Finished",
     "HandshakeDone",
     "HandshakeFailed",
+    "InternalError",
     "NotificationReceived",
     "PeerLost",
     "PostTransfer",
@@ -114,6 +116,14 @@ class TransferResult(_Io, frozen=True, gc=False):
     reason: str = ""
 
 
+class CommandFailed(_Io, frozen=True, gc=False):
+    """The runtime could not carry out a command for `request_id` (a bug: the fabric's faults
+    come as `TransferResult` and `PeerLost`). The core abandons the request safely."""
+
+    request_id: str
+    detail: str
+
+
 Event = (
     Admit
     | PrefillFinished
@@ -125,6 +135,7 @@ Event = (
     | HandshakeFailed
     | PeerLost
     | TransferResult
+    | CommandFailed
 )
 
 # --- commands ---------------------------------------------------------------------------------
@@ -200,6 +211,17 @@ class Finished(_Io, frozen=True, gc=False):
     history: tuple[tuple[str, str, float], ...] = ()
 
 
+class InternalError(_Io, frozen=True, gc=False):
+    """A bug was contained: `detail` says where and what, `trace` is the traceback. The
+    requests it hit (`request_ids`) were abandoned safely: D's reported failed, blocks released
+    once nothing can land in them; every other request goes on. For the caller to log and
+    count."""
+
+    detail: str
+    request_ids: tuple[str, ...] = ()
+    trace: str = ""
+
+
 Command = (
     StartHandshake
     | RemoveAgent
@@ -210,4 +232,5 @@ Command = (
     | ReportReceived
     | ReportFailed
     | Finished
+    | InternalError
 )

@@ -285,6 +285,13 @@ class Producer(Side):
                 PostTransfer(req.id, tid, "WRITE", link.agent, req.blocks, link.block_ids, done)
             )
 
+    def _tell_peers_abandoned(self, req: Request) -> None:
+        self._req_cmd_notify_peer_failed(req)
+
+    def _abandon_hold_s(self) -> float:
+        # A granted READ ends before the grant's deadline, at most P's stall bound from now.
+        return self.config.producer_stall_s + self.transport_drain_s
+
     def _req_cmd_fail_lost_links(self, req: Request) -> None:
         for link in req.links.values():
             untouched = not link.transfer_id and not link.granted

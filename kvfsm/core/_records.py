@@ -44,6 +44,8 @@ class Request(msgspec.Struct, gc=False):
     acks: frozenset[str] = frozenset()
     lost: frozenset[str] = frozenset()  # peers lost while the request used them
     consumer_released: bool = False
+    released: bool = False  # its blocks were handed back or are held to be (exactly once)
+    reported: bool = False  # D: its outcome was reported to the caller
 
     def transitions(self) -> History:
         """Its history so far, (event, state entered, time) per transition (empty untraced)."""

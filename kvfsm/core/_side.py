@@ -13,17 +13,22 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kvfsm.core._config import CoreConfig, Identity, Mode
+from kvfsm.core._containment import cancel_all, requests_hit, short_trace
 from kvfsm.core._deadlines import Deadlines, earliest
-from kvfsm.core._dispatch import Dispatcher, Recorder, RunQueue, Tombstones
+from kvfsm.core._dispatch import Dispatcher, Recorder, RunQueue, StepFailed, Tombstones
 from kvfsm.core._io import (
     Abort,
+    Admit,
     CancelTransfer,
     Command,
+    CommandFailed,
     Finished,
     HandshakeDone,
     HandshakeFailed,
+    InternalError,
     NotificationReceived,
     PeerLost,
+    PrefillFinished,
     ReleaseBlocks,
     RemoveAgent,
     SendNotification,
@@ -45,6 +50,7 @@ _MAX_OUTBOX = 256  # replies queued for one peer that is not connected yet
 MAX_PEERS = 4096
 """Peers a side remembers; past it, inert ones (never connected, failed or evicted; unused) go."""
 _INERT = frozenset(("unknown", "failed", "evicted"))
+_CALLER_EVENTS = (Admit, PrefillFinished, Abort, Shutdown)  # their own errors are the caller's
 
 
 class Side:
@@ -87,6 +93,7 @@ class Side:
             HandshakeFailed: self._on_handshake_failed,
             PeerLost: lambda e: self._peer_event(e.peer, "peer_lost"),
             TransferResult: self._on_transfer_result,
+            CommandFailed: self._on_command_failed,
         }
         self._messages: dict[type, Callable[[Any, str], None]] = {}
         self.shut_down = False
@@ -95,16 +102,33 @@ class Side:
     # --- the interface ------------------------------------------------------------------------
 
     def handle(self, event: Any, now: float) -> list[Command]:
-        """Process one event at time `now`; return the commands to execute, in order."""
+        """Process one event at time `now`; return the commands to execute, in order.
+
+        A bug (a guard or command that raises, or any error while a network or runtime event
+        is handled) loses none of the commands already emitted: the requests it hit are
+        abandoned safely (`internal_error`), an `InternalError` says what happened, and the
+        other requests go on. The caller's own mistakes (an id admitted twice) still raise."""
         self._now = now
         out: list[Command] = []
         self._out = out
         handler = self._handlers.get(type(event))
         if handler is None:
             raise TypeError(f"{self.side} does not take {type(event).__name__} events")
-        handler(event)
-        if self._pending_steps:
-            self._runq.drain(now, self._alive_fn)
+        try:
+            handler(event)
+        except StepFailed as failed:
+            self._contain(failed, failed.cause, failed.instances)
+        except Exception as exc:
+            if isinstance(event, _CALLER_EVENTS):
+                raise
+            self._contain(exc, exc, ())
+        while self._pending_steps:
+            try:
+                self._runq.drain(now, self._alive_fn)
+            except StepFailed as failed:
+                self._contain(failed, failed.cause, failed.instances)
+            except Exception as exc:  # a queued event its instance does not take: a bug
+                self._contain(exc, exc, ())
         return out
 
     def set_recorder(self, recorder: Recorder | None) -> None:
@@ -206,6 +230,45 @@ class Side:
             self._count_error("unexpected", f"{type(message).__name__} from {event.sender}")
             return
         route(message, event.sender)
+
+    # --- containing bugs ------------------------------------------------------------------------
+
+    def _contain(self, exc: Exception, cause: BaseException, instances: Iterable[Any]) -> None:
+        hit = requests_hit(self.requests, instances)
+        self._count_error("internal_error", str(exc))
+        self._emit(InternalError(f"{self.side}: {exc}", tuple(hit), short_trace(cause)))
+        for req in hit.values():
+            self._abandon(req)
+
+    def _on_command_failed(self, event: CommandFailed) -> None:
+        req = self.requests.get(event.request_id)
+        if req is None:
+            self._count_error("late", f"command failed for ended {event.request_id!r}")
+            return
+        self._count_error("internal_error", f"{req.id}: {event.detail}")  # the runtime told
+        self._abandon(req)  # the caller (`InternalError`)
+
+    def _abandon(self, req: Request) -> None:
+        """Fire `internal_error`; should that raise too, the request's deadlines still end it."""
+        try:
+            self._req.fire(req, "internal_error", self._now)
+        except Exception as exc:
+            self._count_error("internal_error", f"abandoning {req.id!r}: {exc!r}")
+
+    def _req_cmd_abandon(self, req: Request) -> None:
+        # Cancel what is posted, tell the peers, and hold the blocks until nothing a peer was
+        # ever allowed to post can touch them (a bug path: waiting long is the safe side).
+        self._out += cancel_all(self._transfers, req.id)
+        self._tell_peers_abandoned(req)
+        if not req.released:
+            req.released = True
+            self.quarantine.hold(self._now + self._abandon_hold_s(), req.id, req.blocks)
+
+    def _tell_peers_abandoned(self, req: Request) -> None:
+        raise NotImplementedError
+
+    def _abandon_hold_s(self) -> float:
+        raise NotImplementedError
 
     # --- helpers for the sides ------------------------------------------------------------------
 
@@ -371,6 +434,7 @@ class Side:
                 self._emit(CancelTransfer(req.id, link.transfer_id))
 
     def _req_cmd_release_blocks(self, req: Request) -> None:
+        req.released = True
         if self.transport_drain_s > 0 and self._may_still_land(req):
             self.quarantine.hold(self._now + self.transport_drain_s, req.id, req.blocks)
         else:

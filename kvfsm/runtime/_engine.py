@@ -9,6 +9,7 @@ commands that concern it (blocks released, requests received or failed, requests
 from __future__ import annotations
 
 import math
+import traceback
 from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -18,10 +19,12 @@ import msgspec
 from kvfsm.core import (
     CancelTransfer,
     Command,
+    CommandFailed,
     Event,
     Finished,
     HandshakeDone,
     HandshakeFailed,
+    InternalError,
     NotificationReceived,
     PeerLost,
     PostTransfer,
@@ -45,7 +48,9 @@ from kvfsm.wire import AuthError, SharedSecret, is_sealed
 
 __all__ = ["CallerOutput", "Directory", "Engine", "HandshakeError", "InFlight", "PeerInfo"]
 
-CallerOutput = ReleaseBlocks | ReportReceived | ReportFailed | Finished | RequestTrace
+CallerOutput = (
+    ReleaseBlocks | ReportReceived | ReportFailed | Finished | RequestTrace | InternalError
+)
 
 
 class PeerInfo(msgspec.Struct, frozen=True):
@@ -195,7 +200,10 @@ class Engine:
         queue.append(event)
         while queue:
             for command in self.side.handle(queue.popleft(), self.clock()):
-                self._execute(command)
+                try:
+                    self._execute(command)
+                except Exception as exc:  # a bug: the other commands still run
+                    self._command_failed(command, exc)
 
     def poll(self) -> bool:
         """Take finished handshakes, drain notifications, check in-flight transfers and fire due
@@ -243,6 +251,16 @@ class Engine:
             self.outputs.append(command)  # type: ignore[arg-type]  # a caller output
         else:
             run(command)
+
+    def _command_failed(self, command: Command, exc: Exception) -> None:
+        """Tell the caller, and the core, which abandons the request the command was for."""
+        self.counters["internal_error"] += 1
+        rid = getattr(command, "request_id", "")
+        detail = f"executing {type(command).__name__}: {exc!r}"
+        trace = "".join(traceback.format_exception(exc, limit=-8))
+        self.outputs.append(InternalError(f"runtime: {detail}", (rid,) if rid else (), trace))
+        if rid:
+            self._queue.append(CommandFailed(rid, detail))
 
     def _finished(self, command: Finished) -> None:
         self.outputs.append(command)

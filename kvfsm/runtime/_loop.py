@@ -26,15 +26,17 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import sys
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from kvfsm.core import Event, Shutdown
+from kvfsm.core import Event, InternalError, Shutdown
 from kvfsm.runtime._engine import CallerOutput, Engine
 
 __all__ = ["EngineLoop"]
@@ -50,9 +52,12 @@ class EngineLoop:
     """Runs `engine` on its own thread; see the module docstring for when it wakes.
 
     `on_output` receives each caller output (blocks released, received, failed, finished,
-    traces) on the loop's thread, in order; it must be quick and must not call the engine. An
-    exception from it or from the engine is counted in `errors` (the loop goes on serving the
-    other requests).
+    traces, contained bugs) on the loop's thread, in order; it must be quick and must not call
+    the engine. No error is silent: every bug the engine contained (`InternalError`) and every
+    exception the loop catches (from polling, from `on_output`, at close) is logged on `logger`
+    (``kvfsm``; the connector passes ``vllm.kvfsm``), counted in `error_count` and kept in
+    `errors` (the last 16); the loop goes on serving the other requests. Those from polling
+    reach `on_output` as an `InternalError` too, for the caller's stats.
     """
 
     def __init__(
@@ -65,6 +70,7 @@ class EngineLoop:
         hot_s: float | None = None,
         idle_poll_s: float = 0.05,
         name: str | None = None,
+        logger: logging.Logger | None = None,
     ) -> None:
         hot_s = _default_hot_s(engine) if hot_s is None else hot_s
         if not 0 < poll_min_s <= poll_max_s or idle_poll_s <= 0 or hot_s < 0:
@@ -72,6 +78,9 @@ class EngineLoop:
         self.engine = engine
         self.on_output = on_output
         self.errors: deque[str] = deque(maxlen=_MAX_ERRORS_KEPT)
+        self.error_count = 0
+        """Errors logged since the start: contained bugs and exceptions the loop caught."""
+        self._log = logger or logging.getLogger("kvfsm")
         self.wakeups = 0
         """Sleeps cut short by a call: `wake`, `submit`/`call` or `stop`."""
         self.polls = 0
@@ -174,17 +183,25 @@ class EngineLoop:
         try:
             active = self.engine.poll()
         except Exception as exc:  # a bug: keep serving the other requests, say what happened
-            self.errors.append(f"poll: {exc!r}")
+            trace = "".join(traceback.format_exception(exc, limit=-8))
+            self.engine.outputs.append(InternalError(f"loop: poll raised {exc!r}", (), trace))
             active = True
         self._deliver()
         return active
 
     def _deliver(self) -> None:
         for output in self.engine.take_outputs():
+            if isinstance(output, InternalError):
+                self._error(output.detail, output.trace)
             try:
                 self.on_output(output)
             except Exception as exc:
-                self.errors.append(f"on_output: {exc!r}")
+                self._error(f"on_output raised {exc!r}", "".join(traceback.format_exception(exc)))
+
+    def _error(self, what: str, trace: str) -> None:
+        self.error_count += 1
+        self.errors.append(what)
+        self._log.error("kvfsm %s: %s\n%s", self.engine.agent, what, trace.rstrip())
 
     def _timeout(self, delay: float) -> float:
         """How long to sleep: until the next poll (`delay`, or the idle drain's interval when
@@ -216,7 +233,7 @@ class EngineLoop:
         try:
             self.engine.close()
         except Exception as exc:
-            self.errors.append(f"close: {exc!r}")
+            self._error(f"close raised {exc!r}", "".join(traceback.format_exception(exc)))
         self._deliver()  # blocks the engine still held go back on close
 
 

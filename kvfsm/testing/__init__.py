@@ -14,6 +14,7 @@ from kvfsm.testing._cluster import (
 from kvfsm.testing._invariants import COVERAGE, Conformance, Ledger, untaken_transitions
 from kvfsm.testing._pattern import PatternCheck, check_request, request_seed, write_request
 from kvfsm.testing._ports import free_port
+from kvfsm.testing._states import abandon_in, drive_to, live_states
 from kvfsm.testing._tour import INTERLEAVINGS, run_tour
 
 __all__ = [
@@ -27,8 +28,11 @@ __all__ = [
     "Ledger",
     "PairedRequest",
     "PatternCheck",
+    "abandon_in",
     "check_request",
+    "drive_to",
     "free_port",
+    "live_states",
     "request_seed",
     "run_tour",
     "untaken_transitions",

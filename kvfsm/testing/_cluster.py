@@ -20,6 +20,7 @@ from kvfsm.core import (
     CoreConfig,
     Finished,
     Identity,
+    InternalError,
     Mode,
     NotificationReceived,
     PrefillFinished,
@@ -341,6 +342,9 @@ class Cluster:
         self.ledger.check_posts()
 
     def _on_output(self, agent: str, out: CallerOutput) -> None:
+        if isinstance(out, InternalError):
+            self.ledger.internal_errors.append(f"internal error on {agent}: {out.detail}")
+            return
         pr = self.ledger.request_of(agent, out.request_id)
         if pr is None:
             return

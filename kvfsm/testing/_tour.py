@@ -8,11 +8,13 @@ then lets the cluster settle, so the safety ledger checks it like any other run.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from kvfsm.core import Mode, PrefillFinished
 from kvfsm.fabric import SimFaults
 from kvfsm.testing._cluster import Cluster
+from kvfsm.testing._states import abandon_in, live_states
 
 __all__ = ["INTERLEAVINGS", "Interleaving", "run_tour"]
 
@@ -378,14 +380,23 @@ INTERLEAVINGS: tuple[Interleaving, ...] = (
 
 
 def run_tour(mode: Mode) -> dict[str, list[str]]:
-    """Run every interleaving in `mode`, settle it, and return its safety problems by name."""
+    """Run every interleaving in `mode`, then a bug in every live state of both sides (the
+    runtime's `CommandFailed`), settle each, and return its safety problems by name."""
+    runs: list[tuple[str, Callable[[], Cluster]]] = [
+        (i.__name__, functools.partial(i, mode)) for i in INTERLEAVINGS
+    ]
+    runs += [
+        (f"bug_in_{side}_{state}", functools.partial(abandon_in, mode, side, state))
+        for side in ("P", "D")
+        for state in live_states(mode, side)
+    ]
     problems = {}
-    for interleaving in INTERLEAVINGS:
-        cluster = interleaving(mode)
+    for name, build in runs:
+        cluster = build()
         for key in sorted(cluster.requests):
             cluster.finish_prefill(key)
         cluster.settle()
         found = cluster.ledger.quiescence()
         found += cluster.conformance.violations if cluster.conformance else []
-        problems[interleaving.__name__] = found
+        problems[name] = found
     return problems

@@ -11,7 +11,8 @@ __all__ = ["KvfsmPromMetrics"]
 
 class KvfsmPromMetrics(KVConnectorPromMetrics):
     """`vllm:kvfsm_*` counters: requests by final state, transfers, failed transfers, bytes,
-    and seconds spent in each lifecycle state (labelled `state`)."""
+    bugs contained (`internal_errors`), and seconds spent in each lifecycle state (labelled
+    `state`)."""
 
     def __init__(
         self,
@@ -33,6 +34,10 @@ class KvfsmPromMetrics(KVConnectorPromMetrics):
                 ("transfers", "NIXL transfers kvfsm posted."),
                 ("failed_transfers", "kvfsm transfers that failed."),
                 ("bytes", "Bytes of the kvfsm transfers that completed."),
+                (
+                    "internal_errors",
+                    "Bugs kvfsm contained: each logged, the requests it hit failed safely.",
+                ),
             )
         }
         self._seconds = counter(

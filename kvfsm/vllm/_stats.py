@@ -1,5 +1,5 @@
 """What the connector reports to vLLM's stats loggers and Prometheus: requests by final state,
-transfers, bytes, failures, expiries, and time spent in each lifecycle state."""
+transfers, bytes, failures, expiries, bugs contained, and time spent in each lifecycle state."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from kvfsm.runtime import RequestTrace
 
 __all__ = ["StatsWindow", "merge", "reduce"]
 
-_COUNTS = ("transfers", "failed_transfers", "bytes", "descriptors")
+_COUNTS = ("transfers", "failed_transfers", "bytes", "descriptors", "internal_errors")
 
 
 class StatsWindow:
@@ -24,8 +24,8 @@ class StatsWindow:
 
     @property
     def empty(self) -> bool:
-        """Nothing ended in this window."""
-        return not self.ended
+        """Nothing ended and nothing went wrong in this window."""
+        return not self.ended and not self.counts
 
     def add(self, trace: RequestTrace) -> None:
         """Count one finished request."""

@@ -27,6 +27,7 @@ from kvfsm.core import (
     Consumer,
     Event,
     Identity,
+    InternalError,
     Producer,
     ReleaseBlocks,
     ReportFailed,
@@ -103,6 +104,7 @@ class WorkerSide:
         self.loop = EngineLoop(
             self.engine, self._on_output, poll_min_s=s.poll_min_us * 1e-6,
             poll_max_s=s.poll_max_us * 1e-6, hot_s=None if s.poll_hot_us is None else s.poll_hot_us * 1e-6, name=f"kvfsm-{me.agent}",
+            logger=_log,
         )  # fmt: skip
         self._directory.on_result = self.loop.wake
         if s.gil_switch_interval_us > 0:
@@ -150,6 +152,9 @@ class WorkerSide:
         with self._lock:
             if isinstance(output, RequestTrace):
                 self._stats.add(output)
+                return
+            if isinstance(output, InternalError):  # the loop logged it; the requests it hit
+                self._stats.counts["internal_errors"] += 1  # report as they end
                 return
             if not isinstance(output, ReleaseBlocks | ReportReceived | ReportFailed):
                 return

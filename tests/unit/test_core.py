@@ -66,7 +66,9 @@ class Outputs:
         return [
             (t, o)
             for t, a, o in self.log
-            if a == agent and o.request_id == rid and (not kinds or isinstance(o, kinds))
+            if a == agent
+            and getattr(o, "request_id", None) == rid
+            and (not kinds or isinstance(o, kinds))
         ]
 
     def releases(self, agent: str, rid: str) -> list[float]:

@@ -32,8 +32,7 @@ from kvfsm.core import (
     ReportFailed,
     ReportReceived,
 )
-from kvfsm.lifecycle import load
-from kvfsm.testing import Cluster, PairedRequest
+from kvfsm.testing import Cluster, drive_to, live_states
 from kvfsm.wire import (
     MAX_MESSAGE_BYTES,
     Cancel,
@@ -71,40 +70,8 @@ ABORTS = [
 
 def test_the_abort_cases_cover_every_live_state_of_every_request_model() -> None:
     for mode in MODES:
-        for side, role, table in (("P", "producer", P_STATES), ("D", "consumer", D_STATES)):
-            model = load(f"{role}_{mode}")
-            assert set(table[mode]) == set(model.states) - model.terminal, (side, mode)
-
-
-def drive(cluster: Cluster, side: str, target: str) -> PairedRequest:
-    """Drive a new request "r" to the state `target` on `side`'s rank 0."""
-    net, mode = cluster.network, cluster.mode
-    if target == "releasing":  # a full prefix-cache hit, D's handshake with P hanging
-        cluster.directory.hang_next("P#0")
-        return cluster.admit("r", 4, d_cached=4)
-    if side == "D" and target == "allocated":  # D's handshake with P hangs
-        cluster.directory.hang_next("P#0")
-        return cluster.admit("r", 4)
-    if side == "P" and target == "matched":  # P's handshake with D hangs
-        cluster.directory.hang_next("D#0")
-    if (side == "P" and target in ("allocated", "leased")) or target == "fencing":
-        net.drop_next_notif("P#0")  # D's registration
-    if target == "fencing":  # and P's connection to D, to acknowledge D's cancel, hangs
-        cluster.directory.hang_next("D#0")
-    pr = cluster.admit("r", 4)
-    run(cluster, 0.05)
-    if target == "fencing":  # D's watchdog fires
-        run(cluster, FAST_CONFIG.watchdog_s)
-    if target in ("allocated", "registered", "fencing"):
-        return pr
-    if target in ("writing", "reading", "draining"):  # the transfer hangs
-        net.inject_next_post("P#0" if mode == "push" else "D#0", "stuck")
-    cluster.finish_prefill("r")
-    run(cluster, 0.05)
-    if target == "draining":  # push: D gives up on P's WRITE; pull: P gives up while D reads
-        cluster.abort("r", "D" if mode == "push" else "P")
-        run(cluster, 0.05)
-    return pr
+        for side, table in (("P", P_STATES), ("D", D_STATES)):
+            assert table[mode] == live_states(mode, side), (side, mode)
 
 
 @pytest.mark.parametrize(("mode", "side", "target"), ABORTS)
@@ -113,7 +80,7 @@ def test_abort_from_every_state_releases_once_and_engines_keep_serving(
 ) -> None:
     cluster = Cluster(mode)
     out = Outputs(cluster)
-    pr = drive(cluster, side, target)
+    pr = drive_to(cluster, side, target)
     agent, rid = f"{side}#0", pr.p_id if side == "P" else pr.d_id
     assert state(cluster, agent, rid) == target
     cluster.abort("r", side)

@@ -8,7 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from kvfsm.core import Admit, Consumer, Finished, Identity, Mode, PrefillFinished, Producer
+from kvfsm.core import (
+    Admit,
+    Consumer,
+    Finished,
+    Identity,
+    InternalError,
+    Mode,
+    PrefillFinished,
+    Producer,
+)
 from kvfsm.fabric import FabricError, SimNetwork
 from kvfsm.layout import KvGeometry
 from kvfsm.runtime import Engine, KvCache, RequestTrace, plan_route
@@ -228,6 +237,8 @@ def test_fabric_errors_in_telemetry_and_release_are_counted_not_raised(
 
 
 def test_a_non_fabric_error_in_cleanup_is_not_swallowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not tolerated as a fabric error: reported as a bug (`InternalError`) and counted, and the
+    request it hit is abandoned safely."""
     net, p, d = _engines("push", SMALL_GEOMETRY, SMALL_GEOMETRY)
 
     def bug(_handle: object) -> None:
@@ -238,6 +249,8 @@ def test_a_non_fabric_error_in_cleanup_is_not_swallowed(monkeypatch: pytest.Monk
     p.submit(Admit("r-0000000a", blocks))
     p.submit(PrefillFinished("r-0000000a", blocks))
     d.submit(Admit("r-0000000b", np.array([7], dtype=np.int32), "P", 1, "r-0000000a"))
-    with pytest.raises(KeyError, match="a bug"):
-        _run(net, (p, d), [], until=2)
-    assert p.counters["release_error"] == 0
+    outputs: list[object] = []
+    _run(net, (p, d), outputs, until=2)
+    errors = [o for o in outputs if isinstance(o, InternalError)]
+    assert errors and "a bug, not the fabric" in errors[0].trace
+    assert p.counters["release_error"] == 0 and p.counters["internal_error"] == 1

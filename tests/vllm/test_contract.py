@@ -8,6 +8,7 @@ holding no request state."""
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,6 +35,7 @@ from vllm.distributed import parallel_state
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
+from kvfsm.core import Consumer, Producer, Side
 from kvfsm.testing import free_port
 from kvfsm.vllm import KvfsmConnector, KvfsmStats, SettingsError
 
@@ -336,6 +338,50 @@ def test_a_failed_load_is_reported_as_invalid_blocks(
         assert _stats(e.p).reduce()["expired"] == 1
         assert _stats(e.d).reduce()["failed"] == 1
         assert not _stats(e.d).is_empty()
+
+
+@pytest.mark.parametrize(
+    ("mode", "cls", "command"),
+    [
+        ("push", Producer, "_req_cmd_post_transfer"),
+        ("pull", Consumer, "_req_cmd_send_registration"),
+    ],
+    ids=["bug_on_P_push", "bug_on_D_pull"],
+)
+def test_a_bug_fails_the_load_safely_and_vllm_gets_every_block_back(
+    model_dir: Path, mode: str, cls: type[Side], command: str,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """A command that raises on one side: the request is given up there (D's blocks reported
+    invalid, recomputed), the bug is logged on `vllm.kvfsm` and counted in the stats, every
+    block goes back to both schedulers once the hold ends, and the next request is served."""
+    monkeypatch.setenv("UCX_TCP_USER_TIMEOUT", "1s")  # the drain bound: 3 s, not 12
+
+    def planted(self: Side, req: object) -> None:
+        raise RuntimeError("planted bug")
+
+    monkeypatch.setattr(cls, command, planted)
+    bounds = {"stall_s": 0.5, "producer_stall_s": 1.0, "watchdog_s": 1.0, "fence_s": 1.0}
+    with (
+        caplog.at_level(logging.ERROR, logger="vllm.kvfsm"),
+        pair(model_dir, mode, "recompute", d_extra=bounds, **bounds) as e,
+    ):
+        params = e.prefill("p-1")
+        e.decode("d-1", params)
+        e.settle(lambda: "d-1" in e.d.driver.finished(), "D finishing d-1 (recomputed)")
+        assert e.d.driver.finished()["d-1"] == FinishReason.LENGTH
+        e.settle(lambda: not e.p.scheduler.requests, "P handing its blocks back")
+        e.settle(lambda: not e.d.scheduler.requests, "D handing its blocks back")
+        e.assert_idle()
+        buggy = e.p if cls is Producer else e.d
+        assert _stats(buggy).reduce()["internal_errors"] == 1
+        assert any("planted bug" in r.getMessage() for r in caplog.records)
+        monkeypatch.undo()  # the engines go on: the next request is served from P's KV
+        params = e.prefill("p-2")
+        e.decode("d-2", params)
+        e.settle(lambda: "d-2" in e.d.driver.finished(), "D finishing d-2")
+        e.settle(lambda: not e.p.scheduler.requests, "P releasing p-2")
+        e.assert_idle()
 
 
 def test_prometheus_metrics_count_what_the_stats_carry(model_dir: Path) -> None:

@@ -1,0 +1,43 @@
+"""What a side needs to contain a bug: which live requests it hit, a short traceback for the
+log, and the cancellation of everything a request has posted."""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Iterable
+from typing import Any
+
+from kvfsm.core._io import CancelTransfer
+from kvfsm.core._records import Peer, Request, TransferTally
+
+__all__ = ["cancel_all", "requests_hit", "short_trace"]
+
+_TRACE_FRAMES = 8
+
+
+def requests_hit(requests: dict[str, Request], instances: Iterable[Any]) -> dict[str, Request]:
+    """The live requests a failed step hit: a request whose step raised, the request of a tally
+    whose step did, or every request using a peer whose step did."""
+    found: dict[str, Request] = {}
+    for inst in instances:
+        if isinstance(inst, Peer):
+            found.update((r.id, r) for r in requests.values() if inst.id in r.peers)
+            continue
+        req = requests.get(inst.id)
+        if req is not None and (req is inst or isinstance(inst, TransferTally)):
+            found[req.id] = req
+    return found
+
+
+def short_trace(exc: BaseException) -> str:
+    """The exception with its innermost frames, for a log line."""
+    return "".join(traceback.format_exception(exc, limit=-_TRACE_FRAMES))
+
+
+def cancel_all(transfers: dict[int, tuple[str, str]], request_id: str) -> list[CancelTransfer]:
+    """Forget every transfer of `request_id` in `transfers` (id -> (request, peer)) and return
+    the commands that cancel them. A scan of the transfers in flight: a bug path only."""
+    mine = [tid for tid, (rid, _) in transfers.items() if rid == request_id]
+    for tid in mine:
+        del transfers[tid]
+    return [CancelTransfer(request_id, tid) for tid in mine]
