@@ -21,20 +21,28 @@ def main() -> None:
     parser.add_argument("--total", type=int, default=20000, help="lifecycles per measurement")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--conformance", action="store_true", help="also the core with the run-time check on"
+    )
     args = parser.parse_args()
     results: dict[str, dict[int, dict[str, float]]] = {}
     for mode in ("push", "pull"):
-        results[mode] = {n: bench(mode, n, max(args.total, n), args.repeat) for n in args.in_flight}  # type: ignore[arg-type]
+        results[mode] = {
+            n: bench(mode, n, max(args.total, n), args.repeat, conformance=args.conformance)  # type: ignore[arg-type]
+            for n in args.in_flight
+        }
         for n, figures in results[mode].items():
             figures["bytes_per_request"] = round(memory_per_request(mode, n))  # type: ignore[arg-type]
     if args.json:
         print(json.dumps(results))
         return
-    print(f"{'mode':<6}{'in flight':>10}{'core us':>10}{'engine us':>11}{'bytes/req':>11}")
+    print(f"{'mode':<6}{'in flight':>10}{'core us':>10}{'engine us':>11}{'bytes/req':>11}"
+          f"{'core + conformance us':>23}")  # fmt: skip
     for mode, by_n in results.items():
         for n, f in by_n.items():
             print(
                 f"{mode:<6}{n:>10}{f['core_us']:>10}{f['engine_us']:>11}{f['bytes_per_request']:>11}"
+                f"{f.get('core_conformance_us', '-'):>23}"
             )
     for mode, by_n in results.items():
         for key in ("core_us", "engine_us"):

@@ -1,5 +1,6 @@
 """The runtime: engines that drive the core and execute its commands on a fabric."""
 
+from kvfsm.runtime._conformance import Conformance
 from kvfsm.runtime._engine import (
     CallerOutput,
     Directory,
@@ -17,6 +18,7 @@ from kvfsm.runtime._trace import RequestTrace, TransferStats, time_in_state
 __all__ = [
     "MAX_GUESTS",
     "CallerOutput",
+    "Conformance",
     "Directory",
     "Engine",
     "EngineLoop",

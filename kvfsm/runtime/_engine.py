@@ -40,6 +40,7 @@ from kvfsm.core import (
 )
 from kvfsm.fabric import Fabric, FabricError, RemoteDisconnectedError, XferHandle
 from kvfsm.layout import Int64Array, RegionLayout, coalesce
+from kvfsm.runtime._conformance import Conformance
 from kvfsm.runtime._guests import Guests
 from kvfsm.runtime._kv import KvCache
 from kvfsm.runtime._routes import Route, plan_route, prepare_route
@@ -126,6 +127,7 @@ class Engine:
         coalesce: bool = False,
         secret: SharedSecret | None = None,
         guests: Guests | None = None,
+        conformance: bool = False,
     ) -> None:
         """`coalesce`: post each transfer as descriptor rows merged where adjacent on both sides
         (dynamic lists) instead of one prepared row per block per region (docs/performance.md
@@ -133,7 +135,9 @@ class Engine:
         is sealed with it, and only notifications sealed with it are taken (the handshakes'
         `directory` and listener need it too). `guests`: who completed a handshake with this
         engine's listener; with it, notifications are taken only from them and from peers this
-        engine handshaked with (None: the listener runs elsewhere, nothing to check against)."""
+        engine handshaked with (None: the listener runs elsewhere, nothing to check against).
+        `conformance`: replay every step the core takes through `transitions` (`.conformance`);
+        a divergence is counted and comes out as an `InternalError` (docs/runtime.md)."""
         self.side = side
         self.fabric = fabric
         side.transport_drain_s = _drain_bound(side.config.transport_drain_s, fabric)
@@ -158,6 +162,9 @@ class Engine:
         self._guests = guests
         self._stats: dict[str, TransferStats] = {}
         self._queue: deque[Event] = deque()
+        self.conformance = Conformance(self._diverged) if conformance else None
+        if self.conformance is not None:
+            side.set_recorder(self.conformance.record)
         self._closed = False
         self._runners: dict[type, Callable[[Any], None]] = {
             PostTransfer: self._post,
@@ -251,6 +258,10 @@ class Engine:
             self.outputs.append(command)  # type: ignore[arg-type]  # a caller output
         else:
             run(command)
+
+    def _diverged(self, message: str) -> None:
+        self.counters["conformance_divergence"] += 1
+        self.outputs.append(InternalError(message))
 
     def _command_failed(self, command: Command, exc: Exception) -> None:
         """Tell the caller, and the core, which abandons the request the command was for."""

@@ -38,6 +38,10 @@ class KvfsmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     core: CoreConfig = msgspec.field(default_factory=CoreConfig)
     """The core's deadlines and bounds (`lease_s`, `watchdog_s`, `stall_s`, ... : see
     `CoreConfig`), given as top-level keys of the extra config."""
+    conformance: bool = False
+    """Replay every step the core takes through the `transitions` machine of its model at run
+    time; a divergence (a bug) is logged on `vllm.kvfsm` and counted in `internal_errors`.
+    Off by default: it costs a few microseconds a lifecycle (docs/performance.md)."""
     poll_min_us: float = 20.0
     """The engine loop polls NIXL this soon after activity, backing off to `poll_max_us`."""
     poll_max_us: float = 1000.0

@@ -96,7 +96,10 @@ class WorkerSide:
                 requester=me.agent,
             )  # fmt: skip
             # No `guests`: the listener runs in the scheduler's process (docs/security.md).
-            self.engine = Engine(core, fabric, kv, self._directory, time.monotonic, secret=secret)
+            self.engine = Engine(
+                core, fabric, kv, self._directory, time.monotonic, secret=secret,
+                conformance=s.conformance,
+            )  # fmt: skip
             self.payload = payload_of(self.engine, compat_hash=chash, wire_version=WIRE_VERSION)
         except BaseException:
             self._close_parts()

@@ -68,7 +68,7 @@ def test_bigger_d_blocks_pair_after_a_prefix_hit(mode: Mode, n: int, cached: int
 
 
 def _engines(
-    mode: Mode, p: KvGeometry, d: KvGeometry, *, coalesce: bool = False
+    mode: Mode, p: KvGeometry, d: KvGeometry, *, coalesce: bool = False, conformance: bool = False
 ) -> tuple[SimNetwork, Engine, Engine]:
     net = SimNetwork(0)
     directory = LocalDirectory(lambda: net.now)
@@ -81,6 +81,7 @@ def _engines(
             directory.view(),
             lambda: net.now,
             coalesce=coalesce,
+            conformance=conformance,
         )
         directory.publish(engine.agent, engine.info)
         engines.append(engine)
@@ -254,3 +255,38 @@ def test_a_non_fabric_error_in_cleanup_is_not_swallowed(monkeypatch: pytest.Monk
     errors = [o for o in outputs if isinstance(o, InternalError)]
     assert errors and "a bug, not the fabric" in errors[0].trace
     assert p.counters["release_error"] == 0 and p.counters["internal_error"] == 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_conformance_at_run_time_checks_every_step_and_reports_a_divergence(mode: Mode) -> None:
+    """`Engine(conformance=True)` replays the core's steps through `transitions`: a clean
+    lifecycle diverges nowhere; a core whose table drifted from its model is reported."""
+    net, p, d = _engines(mode, SMALL_GEOMETRY, SMALL_GEOMETRY, conformance=True)
+    assert p.conformance is not None and d.conformance is not None
+    blocks = np.array([4], dtype=np.int32)
+    outputs: list[object] = []
+
+    def serve(n: int) -> None:
+        rid = f"r{n}-0000000{n}"
+        p.submit(Admit(rid, blocks))
+        p.submit(PrefillFinished(rid, blocks))
+        d.submit(Admit(f"r{n}-0000000{n + 1}", np.array([7], dtype=np.int32), "P", 1, rid))
+        _run(net, (p, d), outputs, until=2 * n)
+
+    serve(1)
+    assert p.conformance.steps > 3 and d.conformance.steps > 3
+    assert p.conformance.divergences == d.conformance.divergences == 0
+    # The drift: P's table loses a command the model has on admission (its lease's timer).
+    dispatcher = p.side._req
+    key = ("allocated", "prefill_finished")
+    guards, dest, _, _, terminal = dispatcher._names[key][-1]
+    dispatcher._names = {
+        **dispatcher._names,
+        key: (*dispatcher._names[key][:-1], (guards, dest, (), (), terminal)),
+    }
+    dispatcher._table.clear()
+    serve(2)
+    assert p.conformance.divergences >= 1 and p.counters["conformance_divergence"] >= 1
+    errors = [o for o in outputs if isinstance(o, InternalError)]
+    assert errors and errors[0].detail.startswith("conformance: producer_")
+    assert "transitions takes" in errors[0].detail

@@ -15,6 +15,8 @@ def test_settings_default_and_override() -> None:
     s = KvfsmSettings.from_extra_config({"mode": "push", "side_channel_port": 7000, "lease_s": 9})
     assert (s.mode, s.side_channel_port, s.core_config().lease_s) == ("push", 7000, 9.0)
     assert KvfsmSettings.from_extra_config(None).mode == "pull"
+    assert not KvfsmSettings.from_extra_config(None).conformance  # opt-in
+    assert KvfsmSettings.from_extra_config({"conformance": True}).conformance
 
 
 @pytest.mark.parametrize(

@@ -42,7 +42,8 @@ from kvfsm.vllm import KvfsmConnector, KvfsmStats, SettingsError
 MODES = ["push", "pull"]
 PROMPT = list(range(100, 170))  # 70 tokens: two full blocks of 32 and a partial third
 _BOUND_S = 30.0
-_FAST = {"lease_s": 60.0, "watchdog_s": 60.0, "fence_s": 60.0}  # only a protocol event ends a wait
+# Only a protocol event ends a wait; every step is checked against its model as it runs.
+_FAST = {"lease_s": 60.0, "watchdog_s": 60.0, "fence_s": 60.0, "conformance": True}
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +98,8 @@ class Engine:
             assert not worker._awaited
             live = worker.loop.call(lambda e: dict(e.side.requests)).result(_BOUND_S)
             assert not live, f"the core still holds {live}"
+            checked = worker.engine.conformance if worker.engine is not None else None
+            assert checked is not None and not checked.violations, checked.violations
 
     def close(self) -> None:
         for worker, _ in self.ranks:
@@ -231,6 +234,11 @@ def test_p_holds_blocks_until_sent_and_d_waits_then_runs(model_dir: Path, mode: 
         poster = p_stats if mode == "push" else d_stats  # who posted the transfer
         assert poster["transfers"] == 1 and poster["bytes"] == moved
         assert any(k.startswith("avg_ms_") for k in d_stats)  # time in state
+        for engine in (e.p, e.d):  # every step of both lifecycles was checked at run time
+            worker = engine.ranks[0][0]._worker
+            assert worker is not None and worker.engine is not None
+            checked = worker.engine.conformance
+            assert checked is not None and checked.steps >= 4 and checked.divergences == 0
 
 
 @pytest.mark.parametrize("mode", MODES)

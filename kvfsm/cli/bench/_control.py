@@ -43,7 +43,7 @@ from kvfsm.core import (
 )
 from kvfsm.fabric import SimNetwork
 from kvfsm.layout import KvGeometry
-from kvfsm.runtime import Engine, KvCache
+from kvfsm.runtime import Conformance, Engine, KvCache
 from kvfsm.sidechannel import LocalDirectory
 
 __all__ = ["bench", "core_wave", "engine_wave", "make_engines", "memory_per_request"]
@@ -135,13 +135,23 @@ def make_engines(mode: Mode, n: int) -> tuple[Engine, Engine, SimNetwork]:
     return engines[0], engines[1], net
 
 
-def bench(mode: Mode, n: int, total: int, repeat: int) -> dict[str, float]:
-    """Core and engine figures for one mode and number in flight."""
+def bench(
+    mode: Mode, n: int, total: int, repeat: int, *, conformance: bool = False
+) -> dict[str, float]:
+    """Core and engine figures for one mode and number in flight; with `conformance`, the core
+    again with every step replayed through `transitions` (the run-time check's cost)."""
     p, d = Producer(Identity("P"), mode, _CONFIG), Consumer(Identity("D"), mode, _CONFIG)
     core_us = measure(lambda w: core_wave(mode, n, p, d, w), n, total, repeat)
     ep, ed, net = make_engines(mode, n)
     engine_us = measure(lambda w: engine_wave(mode, n, ep, ed, net, w), n, total, repeat)
-    return {"core_us": round(core_us, 1), "engine_us": round(engine_us, 1)}
+    out = {"core_us": round(core_us, 1), "engine_us": round(engine_us, 1)}
+    if conformance:
+        p, d = Producer(Identity("P"), mode, _CONFIG), Consumer(Identity("D"), mode, _CONFIG)
+        for side in (p, d):
+            side.set_recorder(Conformance().record)
+        checked = measure(lambda w: core_wave(mode, n, p, d, w), n, total, repeat)
+        out["core_conformance_us"] = round(checked, 1)
+    return out
 
 
 def memory_per_request(mode: Mode, n: int) -> float:
