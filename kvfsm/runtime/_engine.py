@@ -44,8 +44,9 @@ from kvfsm.runtime._conformance import Conformance
 from kvfsm.runtime._guests import Guests
 from kvfsm.runtime._kv import KvCache
 from kvfsm.runtime._routes import Route, plan_route, prepare_route
+from kvfsm.runtime._seals import Seals
 from kvfsm.runtime._trace import RequestTrace, TransferStats, trace_of
-from kvfsm.wire import AuthError, SharedSecret, is_sealed
+from kvfsm.wire import SharedSecret
 
 __all__ = ["CallerOutput", "Directory", "Engine", "HandshakeError", "InFlight", "PeerInfo"]
 
@@ -158,7 +159,7 @@ class Engine:
             self._deregister()
             raise
         self._routes: dict[str, Route] = {}  # peer agent (loaded) -> how to move KV with it
-        self._secret = secret
+        self._seals = Seals(side.identity.agent, secret, self.counters)
         self._guests = guests
         self._stats: dict[str, TransferStats] = {}
         self._queue: deque[Event] = deque()
@@ -294,18 +295,12 @@ class Engine:
     def _receive(self, sender: str, data: bytes) -> None:
         """One notification: opened (with a secret), then to the core if the sender is a peer
         we handshaked with or a guest of our listener; else counted and dropped."""
-        if self._secret is not None:
-            try:
-                data = self._secret.open(sender, self.agent, data)
-            except AuthError:
-                self.counters["unauthenticated"] += 1
-                return
-        elif is_sealed(data):  # the sender holds a secret we were not given
-            self.counters["unauthenticated"] += 1
+        opened = self._seals.open(sender, data)
+        if opened is None:
             return
         guests = self._guests
         if guests is None or sender in self._routes or guests.admitted(self.agent, sender):
-            self.submit(NotificationReceived(sender, data))
+            self.submit(NotificationReceived(sender, opened))
         else:
             self.counters["stranger"] += 1
 
@@ -366,7 +361,7 @@ class Engine:
         local_rows, remote_rows = rows
         handle = None
         descriptors = len(local_rows)
-        notification = self._sealed(cmd.peer, cmd.notification)
+        notification = self._seals.seal(cmd.peer, cmd.notification)
         try:
             if self._coalesce and route.descriptors is not None:
                 merged = coalesce(
@@ -444,12 +439,9 @@ class Engine:
     def _notify(self, cmd: SendNotification) -> None:
         self._send(cmd.peer, cmd.payload)
 
-    def _sealed(self, peer: str, payload: bytes) -> bytes:
-        return payload if self._secret is None else self._secret.seal(self.agent, peer, payload)
-
     def _send(self, peer: str, payload: bytes) -> bool:
         try:
-            self.fabric.send_notif(peer, self._sealed(peer, payload))
+            self.fabric.send_notif(peer, self._seals.seal(peer, payload))
         except FabricError as exc:
             self.counters["notify_failed"] += 1
             if isinstance(exc, RemoteDisconnectedError):

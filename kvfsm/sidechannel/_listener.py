@@ -134,13 +134,14 @@ class HandshakeListener:
             # A failing `payloads` must not leave the asker waiting for its whole timeout.
             reply, outcome = HandshakeRefused(f"listener error: {exc!r:.200}"), "errors"
         self.counters[outcome] += 1
-        # A refusal grants nothing: untagged, so an asker without the secret can read why.
-        secret = self._secret if isinstance(reply, HandshakeAccepted) else None
+        # Every reply is tagged for the request it answers (a refusal too, so that nobody else
+        # can pass one off as ours); an asker without the secret still reads why it was refused.
         # ROUTER drops (never blocks on) replies to peers that went away or are not reading.
-        self._socket.send_multipart([*envelope, encode(reply, secret, nonce)], zmq.NOBLOCK)
+        self._socket.send_multipart([*envelope, encode(reply, self._secret, nonce)], zmq.NOBLOCK)
 
     def _reply(self, body: list[bytes], arrived: float) -> tuple[HandshakeReply, str, bytes]:
-        """The reply, the outcome counted, and the nonce an acceptance's tag covers."""
+        """The reply, the outcome counted, and the nonce its tag covers (none for a request that
+        could not be authenticated: its asker could not check a tag anyway)."""
         size = sum(len(frame) for frame in body)
         if size > MAX_HANDSHAKE_BYTES:
             reason = f"oversized request: {size} bytes exceeds {MAX_HANDSHAKE_BYTES}"
@@ -158,24 +159,26 @@ class HandshakeListener:
         except SidechannelError as exc:
             return HandshakeRefused(str(exc)), "malformed", b""
         payload = self._payloads(request.agent)
+        nonce = request.nonce
         if payload is None:
-            return HandshakeRefused(f"no agent {request.agent!r} at {self.where}"), "refused", b""
+            reason = f"no agent {request.agent!r} at {self.where}"
+            return HandshakeRefused(reason), "refused", nonce
         if request.wire_version != payload.wire_version:
             reason = (
                 f"wire version mismatch: you speak {request.wire_version}, "
                 f"{request.agent!r} speaks {payload.wire_version}"
             )
-            return HandshakeRefused(reason), "refused", b""
+            return HandshakeRefused(reason), "refused", nonce
         if request.compat_hash != payload.compat_hash:
             reason = (
                 f"compat hash mismatch: you have {request.compat_hash}, "
                 f"{request.agent!r} has {payload.compat_hash} (model, dtype, attention geometry, "
                 f"mode or wire version differ)"
             )
-            return HandshakeRefused(reason), "refused", b""
+            return HandshakeRefused(reason), "refused", nonce
         if request.requester:
             self.guests.admit(request.agent, request.requester)
-        return HandshakeAccepted(payload, arrived, self._clock()), "accepted", request.nonce
+        return HandshakeAccepted(payload, arrived, self._clock()), "accepted", nonce
 
     # --- lifetime ------------------------------------------------------------------------------
 

@@ -201,15 +201,21 @@ def decode_reply(
     data: bytes, secret: SharedSecret | None = None, nonce: bytes = b""
 ) -> HandshakeReply:
     """Decode a reply frame; raise `SidechannelError` saying why it is rejected. With `secret`,
-    an acceptance must be tagged with it for the request of `nonce` (`Unauthenticated`); a
-    refusal grants nothing and is taken untagged (it may say why the handshake failed)."""
+    an acceptance or a refusal must be tagged with it for the request of `nonce`
+    (`Unauthenticated`, quoting what an unauthenticated refusal claims): whoever else answers
+    can neither grant a handshake nor pass a refusal off as the listener's."""
     body, tag = _body(data, "reply")
     try:
         reply: HandshakeReply = _reply_decoder.decode(body)
     except (msgspec.MsgspecError, ValueError, RecursionError) as exc:
         raise SidechannelError(f"malformed reply: {exc}") from exc
-    if secret is not None and isinstance(reply, HandshakeAccepted):
-        _authenticate(secret, tag, b"reply", nonce, body)
+    if secret is not None:
+        try:
+            _authenticate(secret, tag, b"reply", nonce, body)
+        except Unauthenticated as exc:
+            if isinstance(reply, HandshakeRefused):
+                raise Unauthenticated(f"{exc} (it claims: {reply.reason!r:.200})") from None
+            raise
     return reply
 
 

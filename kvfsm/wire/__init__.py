@@ -1,6 +1,14 @@
 """Wire messages between engines and their codec."""
 
-from kvfsm.wire._auth import MIN_SECRET_BYTES, TAG_BYTES, AuthError, SharedSecret, is_sealed
+from kvfsm.wire._auth import (
+    MIN_SECRET_BYTES,
+    TAG_BYTES,
+    AuthError,
+    Opened,
+    ReplayGuard,
+    SharedSecret,
+    is_sealed,
+)
 from kvfsm.wire._messages import (
     MAX_MESSAGE_BYTES,
     WIRE_VERSION,
@@ -36,8 +44,10 @@ __all__ = [
     "Grant",
     "Heartbeat",
     "Message",
+    "Opened",
     "Progress",
     "Registration",
+    "ReplayGuard",
     "SharedSecret",
     "WireError",
     "base_request_id",

@@ -32,7 +32,7 @@ from kvfsm.sidechannel import (
     fetch_peer,
     validate,
 )
-from kvfsm.wire import Completion
+from kvfsm.wire import Completion, SharedSecret
 from kvfsm.wire import encode as wire_encode
 
 AGENT = "prefill#0"
@@ -194,3 +194,21 @@ def test_clocks_that_contradict_the_round_trip_are_refused(hostile: HostileListe
     hostile.frames = [encode(HandshakeAccepted(GOOD, 0.0, 1e6))]
     with pytest.raises(HandshakeError, match="clock"):
         fetch(hostile.port)
+
+
+@given(reply=frames)
+def test_with_a_secret_nothing_untagged_is_taken_for_the_listeners_word(
+    hostile: HostileListener, reply: list[bytes]
+) -> None:
+    """An asker holding the secret takes no acceptance and no refusal that is not tagged for
+    its request: whatever else answers is an unauthenticated reply, saying so."""
+    hostile.frames = reply
+    with pytest.raises(HandshakeError) as caught:
+        fetch_peer(
+            HOST, hostile.port, AGENT, compat_hash=HASH, wire_version=WIRE, timeout_s=SAFETY_S,
+            secret=SharedSecret(b"the-fuzzing-deployment-secret!!"),
+        )  # fmt: skip
+    says = str(caught.value)
+    assert "no answer" not in says
+    # A refusal is read as the listener's word only if tagged: never here.
+    assert "refused the handshake" not in says, says

@@ -2,7 +2,8 @@
 messages of every type with bogus field values, byte-level and structural mutations of their
 encodings (wrong types, missing and extra fields, NaN, huge integers), and length headers that
 claim gigabytes. `decode` returns a message that re-encodes to what it decoded, or raises
-`WireError`: never another exception, and never more memory than its input bounds."""
+`WireError`: never another exception, and never more memory than its input bounds. Sealed
+notifications open only untouched, and the replay guard never takes one twice."""
 
 from __future__ import annotations
 
@@ -17,10 +18,13 @@ from strategies import as_tree, msgpack_values, mutated_bytes, mutated_trees, wi
 
 from kvfsm.wire import (
     MAX_MESSAGE_BYTES,
+    AuthError,
     Grant,
     Heartbeat,
     Message,
     Registration,
+    ReplayGuard,
+    SharedSecret,
     WireError,
     decode,
     encode,
@@ -134,3 +138,45 @@ def test_huge_heartbeat_lists_are_bounded_by_the_size_limit(n: int, item: bytes)
         assert got is None
     else:
         assert isinstance(got, Heartbeat) and len(got.request_ids) == count
+
+
+_SECRET = SharedSecret(b"a-fuzzing-secret-of-32-bytes....")
+
+
+@given(st.binary(max_size=256), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.data())
+def test_a_sealed_notification_opens_only_untouched(
+    payload: bytes, epoch: int, seq: int, data: st.DataObject
+) -> None:
+    """Any change to a sealed notification (its number, tag or message) is refused; untouched,
+    it opens to exactly what was sealed, with its number."""
+    sealed = _SECRET.seal("D#0", "P#0", payload, epoch, seq)
+    assert _SECRET.open("D#0", "P#0", sealed) == (epoch, seq, payload)
+    mutated = data.draw(mutated_bytes(sealed))
+    if mutated != sealed:
+        with pytest.raises(AuthError):
+            _SECRET.open("D#0", "P#0", mutated)
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["D#0", "D#1"]), st.integers(0, 3), st.integers(0, 150)),
+        max_size=300,
+    )
+)
+def test_the_replay_guard_never_takes_a_notification_twice(
+    heard: list[tuple[str, int, int]],
+) -> None:
+    """Against a reference: nothing is taken twice or from an earlier incarnation than one
+    taken; whatever is newer than everything taken from its sender is taken."""
+    guard = ReplayGuard()
+    taken: set[tuple[str, int, int]] = set()
+    newest: dict[str, tuple[int, int]] = {}
+    for sender, epoch, seq in heard:
+        ok = guard.check(sender, epoch, seq) is None
+        if ok:
+            assert (sender, epoch, seq) not in taken
+            assert sender not in newest or epoch >= newest[sender][0]
+            taken.add((sender, epoch, seq))
+        if sender not in newest or (epoch, seq) > newest[sender]:
+            assert ok
+            newest[sender] = (epoch, seq)

@@ -1,6 +1,7 @@
 """The side channel with a shared secret, over real ZMQ sockets on 127.0.0.1: tagged requests and
-acceptances, every mismatch a clear error on both ends, replayed acceptances refused, and the
-listener's guests (the agents whose handshakes it accepted)."""
+replies (acceptances and refusals), every mismatch a clear error on both ends, replayed
+acceptances and forged refusals refused, and the listener's guests (the agents whose handshakes
+it accepted)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from kvfsm.runtime import HandshakeError
 from kvfsm.sidechannel import (
     HandshakeAccepted,
     HandshakeListener,
+    HandshakeRefused,
     HandshakeRequest,
     Unauthenticated,
     decode_reply,
@@ -49,14 +51,17 @@ def test_holders_of_the_secret_handshake_and_become_guests(guarded: HandshakeLis
 
 
 @pytest.mark.parametrize(
-    ("secret", "why"),
-    [(None, "untagged request"), (OTHER, "request with a wrong tag")],
+    ("secret", "says"),
+    [
+        (None, "refused.*authentication failed: untagged request"),  # read, not checked
+        (OTHER, "without proof.*it claims: 'authentication failed: request with a wrong tag"),
+    ],
     ids=["no-secret", "another-secret"],
 )
 def test_the_listener_refuses_strangers_and_says_why(
-    guarded: HandshakeListener, secret: SharedSecret | None, why: str
+    guarded: HandshakeListener, secret: SharedSecret | None, says: str
 ) -> None:
-    with pytest.raises(HandshakeError, match=f"refused.*authentication failed: {why}"):
+    with pytest.raises(HandshakeError, match=says):
         _fetch(guarded.port, secret)
     assert guarded.counters == {"unauthenticated": 1}
     assert len(guarded.guests) == 0  # a stranger is nobody's guest
@@ -83,6 +88,22 @@ def test_a_tagged_acceptance_cannot_be_replayed_for_another_request() -> None:
     # Served to a fresh asker by a fake listener, it is refused with a clear error.
     with _ReplayingListener(first) as port, pytest.raises(HandshakeError, match="without proof"):
         _fetch(port, SECRET)
+
+
+def test_a_refusal_is_tagged_and_a_forged_one_is_not_taken_as_the_listeners() -> None:
+    """The listener's own refusal (here: another model) is tagged for the request and read as
+    its word; an untagged one from whoever else answers is reported as unauthenticated."""
+    with HandshakeListener(PAYLOADS.get, secret=SECRET) as served:
+        with pytest.raises(HandshakeError, match=r"refused.*compat hash mismatch") as caught:
+            fetch_peer(
+                HOST, served.port, "prefill#0", compat_hash="another-model", wire_version=WIRE,
+                timeout_s=SAFETY_S, secret=SECRET,
+            )  # fmt: skip
+        assert "without proof" not in str(caught.value)
+    forged = encode(HandshakeRefused("compat hash mismatch: forged"))
+    with _ReplayingListener(forged) as port, pytest.raises(HandshakeError) as caught:
+        _fetch(port, SECRET)
+    assert "without proof" in str(caught.value) and "it claims: 'compat hash" in str(caught.value)
 
 
 def test_tagged_frames_decode_and_check() -> None:

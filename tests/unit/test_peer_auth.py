@@ -10,7 +10,8 @@ import pytest
 from kvfsm.core import Mode
 from kvfsm.runtime import Guests
 from kvfsm.testing import Cluster
-from kvfsm.wire import AuthError, Registration, SharedSecret, encode, pack_blocks
+from kvfsm.wire import AuthError, Registration, ReplayGuard, SharedSecret, encode, pack_blocks
+from kvfsm.wire._auth import REPLAY_WINDOW
 
 MODES: tuple[Mode, ...] = ("push", "pull")
 SECRET = SharedSecret(b"0123456789abcdef-kvfsm-tests")
@@ -74,12 +75,13 @@ def test_an_engine_without_the_secret_drops_sealed_notifications() -> None:
 def test_a_seal_binds_sender_receiver_and_bytes() -> None:
     payload = b"kv1-anything"
     sealed = SECRET.seal("D#0", "P#0", payload)
-    assert SECRET.open("D#0", "P#0", sealed) == payload
+    assert SECRET.open("D#0", "P#0", sealed).payload == payload
     for sender, receiver, data in [
         ("D#1", "P#0", sealed),  # moved to another sender
         ("D#0", "P#1", sealed),  # or receiver
         ("D#0", "P#0", sealed[:-1] + b"!"),  # altered
         ("D#0", "P#0", payload),  # not sealed
+        ("D#0", "P#0", SECRET.seal("D#0", "P#0", payload, 7, 1)[:20] + sealed[20:]),  # renumbered
     ]:
         with pytest.raises(AuthError):
             SECRET.open(sender, receiver, data)
@@ -96,3 +98,41 @@ def test_guests_are_bounded_least_recently_admitted_first() -> None:
     guests.admit("P#0", "D#2")
     assert [guests.admitted("P#0", d) for d in ("D#0", "D#1", "D#2")] == [True, False, True]
     assert len(guests) == 2 and not guests.admitted("P#1", "D#0")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_replayed_notification_is_refused_and_counted(mode: Mode) -> None:
+    """A notification recorded on the wire and sent again (or duplicated by the network) is
+    refused by its number, with the secret set; the requests go on."""
+    c = Cluster(mode, secret=SECRET)
+    d = c.engines["D#0"].fabric
+    recorded: list[tuple[str, bytes]] = []
+    send = d.send_notif
+
+    def recording(agent: str, msg: bytes) -> None:
+        recorded.append((agent, msg))
+        send(agent, msg)
+
+    d.send_notif = recording  # type: ignore[method-assign]
+    assert c.serve("warm", 2) == {"P#0": "done", "D#0": "done"}
+    assert recorded and c.engines["P#0"].counters["replayed"] == 0
+    replayed = list(recorded)
+    for agent, msg in replayed:  # the whole conversation, replayed
+        send(agent, msg)
+    c.network.duplicate_next_notif("P#0")  # and the network duplicating the next one
+    assert c.serve("next", 2) == {"P#0": "done", "D#0": "done"}
+    p = c.engines["P#0"]
+    assert p.counters["replayed"] == len(replayed) + 1
+    assert not any(k in p.side.counters for k in ("duplicate", "late", "protocol_error"))
+
+
+def test_the_replay_guard_takes_each_number_once_and_follows_restarts() -> None:
+    guard = ReplayGuard(limit=2)
+    assert [guard.check("D#0", 5, n) for n in (1, 3, 2)] == [None] * 3  # reordered: taken
+    assert "a replay" in str(guard.check("D#0", 5, 2))
+    assert guard.check("D#0", 5, 3 + REPLAY_WINDOW) is None
+    assert "behind the window" in str(guard.check("D#0", 5, 3))  # too old to tell: refused
+    assert guard.check("D#0", 6, 1) is None  # a restarted sender: a later epoch starts afresh
+    assert "earlier incarnation" in str(guard.check("D#0", 5, 99))
+    assert guard.check("D#1", 1, 1) is None and guard.check("D#2", 1, 1) is None
+    assert guard.check("D#0", 5, 1) is None  # D#0 was forgotten (bounded): it starts afresh
