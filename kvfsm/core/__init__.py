@@ -5,6 +5,7 @@ No threads, sockets, NIXL, sleeps or wall clock here: time is an input to `handl
 
 from kvfsm.core._config import CoreConfig, Identity, Mode, agent_name, paired_ranks
 from kvfsm.core._consumer import Consumer, ProducerLink
+from kvfsm.core._containment import short_trace
 from kvfsm.core._dispatch import Deadlines, Step, StepFailed, Tombstones
 from kvfsm.core._io import (
     Abort,
@@ -77,4 +78,5 @@ __all__ = [
     "TransferTally",
     "agent_name",
     "paired_ranks",
+    "short_trace",
 ]

@@ -1,5 +1,5 @@
-"""What a side needs to contain a bug: which live requests it hit, a short traceback for the
-log, and the cancellation of everything a request has posted."""
+"""What a side needs to contain a bug: which live requests it hit, and a short traceback for the
+log (the runtime's loop and engine use the same)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ import traceback
 from collections.abc import Iterable
 from typing import Any
 
-from kvfsm.core._io import CancelTransfer
 from kvfsm.core._records import Peer, Request, TransferTally
 
-__all__ = ["cancel_all", "requests_hit", "short_trace"]
+__all__ = ["requests_hit", "short_trace"]
 
 _TRACE_FRAMES = 8
 
@@ -32,12 +31,3 @@ def requests_hit(requests: dict[str, Request], instances: Iterable[Any]) -> dict
 def short_trace(exc: BaseException) -> str:
     """The exception with its innermost frames, for a log line."""
     return "".join(traceback.format_exception(exc, limit=-_TRACE_FRAMES))
-
-
-def cancel_all(transfers: dict[int, tuple[str, str]], request_id: str) -> list[CancelTransfer]:
-    """Forget every transfer of `request_id` in `transfers` (id -> (request, peer)) and return
-    the commands that cancel them. A scan of the transfers in flight: a bug path only."""
-    mine = [tid for tid, (rid, _) in transfers.items() if rid == request_id]
-    for tid in mine:
-        del transfers[tid]
-    return [CancelTransfer(request_id, tid) for tid in mine]

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kvfsm.core._config import CoreConfig, Identity, Mode
-from kvfsm.core._containment import cancel_all, requests_hit, short_trace
+from kvfsm.core._containment import requests_hit, short_trace
 from kvfsm.core._deadlines import Deadlines, earliest
 from kvfsm.core._dispatch import Dispatcher, Recorder, RunQueue, StepFailed, Tombstones
 from kvfsm.core._io import (
@@ -258,7 +258,7 @@ class Side:
     def _req_cmd_abandon(self, req: Request) -> None:
         # Cancel what is posted, tell the peers, and hold the blocks until nothing a peer was
         # ever allowed to post can touch them (a bug path: waiting long is the safe side).
-        self._out += cancel_all(self._transfers, req.id)
+        self._req_cmd_cancel_transfers(req)
         self._tell_peers_abandoned(req)
         if not req.released:
             req.released = True

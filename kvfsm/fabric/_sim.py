@@ -17,8 +17,6 @@ delivers what its socket held).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
-from typing import TypeAlias
 
 import msgspec
 import numpy as np
@@ -41,6 +39,7 @@ from kvfsm.fabric._sim_faults import SimFaults, _Completion, _FaultyClock, _Late
 from kvfsm.fabric._sim_rows import (
     I64,
     META_KIND,
+    BytesObserver,
     Dlist,
     Meta,
     Region,
@@ -54,8 +53,6 @@ from kvfsm.fabric._sim_rows import (
 )
 
 __all__ = ["BytesObserver", "SimFabric", "SimNetwork"]
-
-BytesObserver: TypeAlias = Callable[[str, list[tuple[int, int]], str, list[tuple[int, int]]], None]
 
 _NETWORK_IDS = itertools.count(1)  # tells metadata of different networks apart
 

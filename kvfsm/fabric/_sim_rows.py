@@ -4,8 +4,9 @@ of agents' metadata, prepared lists and made transfers."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeAlias
 
 import msgspec
 import numpy as np
@@ -14,11 +15,13 @@ import numpy.typing as npt
 from kvfsm.fabric._protocol import FabricError, XferOp
 
 __all__ = [
-    "I64", "META_KIND", "Dlist", "Meta", "Region", "Xfer", "check_buffer", "copy_rows", "indices", "merged_rows",
+    "I64", "META_KIND", "BytesObserver", "Dlist", "Meta", "Region", "Xfer", "check_buffer", "copy_rows", "indices", "merged_rows",
     "resolve", "written_ranges",
 ]  # fmt: skip
 
 I64 = npt.NDArray[np.int64]
+BytesObserver: TypeAlias = Callable[[str, list[tuple[int, int]], str, list[tuple[int, int]]], None]
+"""Told of every landing: (agent written, ranges written, agent read, ranges read)."""
 META_KIND = "kvfsm-sim/1"
 
 

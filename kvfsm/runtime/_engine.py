@@ -9,7 +9,6 @@ commands that concern it (blocks released, requests received or failed, requests
 from __future__ import annotations
 
 import math
-import traceback
 from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -37,6 +36,7 @@ from kvfsm.core import (
     StartHandshake,
     Tick,
     TransferResult,
+    short_trace,
 )
 from kvfsm.fabric import Fabric, FabricError, RemoteDisconnectedError, XferHandle
 from kvfsm.layout import Int64Array, RegionLayout, coalesce
@@ -269,7 +269,7 @@ class Engine:
         self.counters["internal_error"] += 1
         rid = getattr(command, "request_id", "")
         detail = f"executing {type(command).__name__}: {exc!r}"
-        trace = "".join(traceback.format_exception(exc, limit=-8))
+        trace = short_trace(exc)
         self.outputs.append(InternalError(f"runtime: {detail}", (rid,) if rid else (), trace))
         if rid:
             self._queue.append(CommandFailed(rid, detail))

@@ -30,13 +30,12 @@ import logging
 import sys
 import threading
 import time
-import traceback
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from kvfsm.core import Event, InternalError, Shutdown
+from kvfsm.core import Event, InternalError, Shutdown, short_trace
 from kvfsm.runtime._engine import CallerOutput, Engine
 
 __all__ = ["EngineLoop"]
@@ -183,7 +182,7 @@ class EngineLoop:
         try:
             active = self.engine.poll()
         except Exception as exc:  # a bug: keep serving the other requests, say what happened
-            trace = "".join(traceback.format_exception(exc, limit=-8))
+            trace = short_trace(exc)
             self.engine.outputs.append(InternalError(f"loop: poll raised {exc!r}", (), trace))
             active = True
         self._deliver()
@@ -196,7 +195,7 @@ class EngineLoop:
             try:
                 self.on_output(output)
             except Exception as exc:
-                self._error(f"on_output raised {exc!r}", "".join(traceback.format_exception(exc)))
+                self._error(f"on_output raised {exc!r}", short_trace(exc))
 
     def _error(self, what: str, trace: str) -> None:
         self.error_count += 1
@@ -233,7 +232,7 @@ class EngineLoop:
         try:
             self.engine.close()
         except Exception as exc:
-            self._error(f"close raised {exc!r}", "".join(traceback.format_exception(exc)))
+            self._error(f"close raised {exc!r}", short_trace(exc))
         self._deliver()  # blocks the engine still held go back on close
 
 
