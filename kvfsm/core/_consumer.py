@@ -51,6 +51,7 @@ class ProducerLink(msgspec.Struct, gc=False):
     block_ids: BlockIds = _NO_BLOCKS
     deadline: float = 0.0  # push: what D told P (no WRITE after); pull: P's grant deadline
     transfer_id: int = 0
+    incarnation: int = 0  # pull: the P process that granted (0: unknown)
 
 
 class Consumer(Side):
@@ -187,6 +188,7 @@ class Consumer(Side):
         link.request_id = msg.sender_request_id
         link.block_ids = unpack_blocks(msg.block_ids)
         link.deadline = deadline
+        link.incarnation = msg.incarnation
         self._fire_from_peer(req, "peer_granted")
 
     def _result_from_peer(self, req: Request, sender: str, ok: bool) -> None:
@@ -221,7 +223,7 @@ class Consumer(Side):
             link.deadline = deadline
             reg = Registration(
                 req.peer_request_id, req.id, me.rank, me.tp_size, me.engine_id, blocks, deadline,
-                me.contact,
+                me.contact, self.incarnation,
             )  # fmt: skip
             self._send(link.agent, reg)
 
@@ -237,6 +239,9 @@ class Consumer(Side):
         me = self.identity
         for link in req.links.values():
             if link.transfer_id or not len(link.block_ids):
+                continue
+            if self._stale(link.agent, link.incarnation):
+                self._tally_result(req, link.agent, False)
                 continue
             link.transfer_id = tid = self._new_transfer_id()
             self._transfers[tid] = (req.id, link.agent)

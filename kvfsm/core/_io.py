@@ -87,11 +87,13 @@ class NotificationReceived(_Io, frozen=True, gc=False):
 class HandshakeDone(_Io, frozen=True, gc=False):
     """The handshake with `peer` completed and its agent is loaded. `clock_offset` is the
     peer's clock minus ours, as the handshake measured it, within `clock_error` seconds: P and
-    D on different hosts have unrelated monotonic clocks, and deadlines cross between them."""
+    D on different hosts have unrelated monotonic clocks, and deadlines cross between them.
+    `incarnation` is the process that answered (0: unknown)."""
 
     peer: str
     clock_offset: float = 0.0
     clock_error: float = 0.0
+    incarnation: int = 0
 
 
 class HandshakeFailed(_Io, frozen=True, gc=False):

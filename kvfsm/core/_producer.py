@@ -12,7 +12,7 @@ from kvfsm.core._deadlines import earliest
 from kvfsm.core._dispatch import Tombstones
 from kvfsm.core._io import Admit, PostTransfer, PrefillFinished, Tick
 from kvfsm.core._matching import PendingRegistrations
-from kvfsm.core._records import Request, TransferTally
+from kvfsm.core._records import Request, TransferTally, caller_blocks
 from kvfsm.core._side import Side
 from kvfsm.wire import (
     BlockIds,
@@ -43,6 +43,7 @@ class ConsumerLink(msgspec.Struct, gc=False):
     transfer_id: int = 0  # push: the WRITE posted to this rank
     granted: bool = False  # pull: the grant was sent
     given_up: bool = False  # lost before anything was posted or granted to it: its share failed
+    incarnation: int = 0  # the D process that registered (0: unknown)
 
 
 class Producer(Side):
@@ -95,7 +96,7 @@ class Producer(Side):
             kind = "late" if event.request_id in self.tombstones else "unknown"
             self._count_error(kind, f"prefill_finished for {event.request_id!r}")
             return
-        req.blocks = self._blocks(req.id, event.blocks)
+        req.blocks = caller_blocks(req.id, event.blocks)
         self._req.fire(req, "prefill_finished", self._now)
 
     def next_wakeup(self) -> float | None:
@@ -213,8 +214,11 @@ class Producer(Side):
             self._count_error("duplicate", f"registration for {req.id!r} from {sender}")
             return
         self._peer_of(sender, msg.contact)  # where to handshake back with D
+        self._evict_if_restarted(sender, msg.incarnation)
         blocks = unpack_blocks(msg.block_ids)
-        req.links[sender] = ConsumerLink(sender, msg.sender_request_id, blocks, msg.deadline)
+        link = ConsumerLink(sender, msg.sender_request_id, blocks, msg.deadline)
+        link.incarnation = msg.incarnation
+        req.links[sender] = link
         req.peers += (sender,)
         req.tally.expected = expected
         self._by_consumer[(sender, msg.sender_request_id)] = req
@@ -222,6 +226,14 @@ class Producer(Side):
         if len(req.links) >= expected:
             self._unwait(req)
         self._fire_from_peer(req, "registration")
+
+    def _evict_if_restarted(self, agent: str, incarnation: int) -> None:
+        """A later process of `agent` registered than our connection reaches: the old one is
+        gone. Drop the connection (requests it served fail) so this one handshakes afresh."""
+        peer = self.peers[agent]
+        if peer.state == "connected" and 0 < peer.incarnation < incarnation:
+            self._count_error("peer_restarted", f"{agent}: {peer.incarnation} -> {incarnation}")
+            self._peer_event(agent, "peer_lost")
 
     def _wait(self, req: Request) -> None:
         """Index `req` as taking registrations, by id and by base id."""
@@ -269,6 +281,9 @@ class Producer(Side):
         for link in req.links.values():
             if link.transfer_id or link.given_up or not self._connected((link.agent,)):
                 continue
+            if self._stale(link.agent, link.incarnation):
+                self._give_up(req, link)
+                continue
             link.transfer_id = tid = self._new_transfer_id()
             self._transfers[tid] = (req.id, link.agent)
             # D may have given up and be fencing already (its deadline is on D's clock)
@@ -296,8 +311,12 @@ class Producer(Side):
         for link in req.links.values():
             untouched = not link.transfer_id and not link.granted
             if link.agent in req.lost and untouched and not link.given_up:
-                link.given_up = True
-                self._tally_result(req, link.agent, False)
+                self._give_up(req, link)
+
+    def _give_up(self, req: Request, link: ConsumerLink) -> None:
+        """Fail one D rank's share, before anything was posted or granted to it."""
+        link.given_up = True
+        self._tally_result(req, link.agent, False)
 
     def _req_cmd_notify_peer_failed(self, req: Request) -> None:
         for link in req.links.values():
@@ -318,9 +337,15 @@ class Producer(Side):
         # the blocks (`producer_stall_s` from now): D posts only before this deadline.
         deadline = self._now + self.config.producer_stall_s - self.config.stall_s
         for link in req.links.values():
-            if not link.granted and not link.given_up and self._connected((link.agent,)):
+            if link.granted or link.given_up or not self._connected((link.agent,)):
+                continue
+            if self._stale(link.agent, link.incarnation):
+                self._give_up(req, link)
+            else:
                 link.granted = True
-                grant = Grant(link.request_id, req.id, *self._me, blocks, deadline)
+                grant = Grant(
+                    link.request_id, req.id, *self._me, blocks, deadline, self.incarnation
+                )
                 self._send(link.agent, grant)
 
     def _req_guard_consumer_released(self, req: Request) -> bool:

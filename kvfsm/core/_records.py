@@ -9,11 +9,26 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from kvfsm.core._dispatch import FlatHistory, History, unflatten
+from kvfsm.layout import id_bounds
 from kvfsm.wire import BlockIds
 
-__all__ = ["Peer", "Request", "TransferTally"]
+__all__ = ["Peer", "Request", "TransferTally", "caller_blocks"]
+
+
+def caller_blocks(request_id: str, blocks: Any) -> BlockIds:
+    """The caller's block ids as a 1-D int32 array, checked once here (messages then carry them
+    without further checks)."""
+    ids = np.asarray(blocks)
+    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+        raise TypeError(f"{request_id!r}: block ids must be a 1-D integer array, got {ids!r:.80}")
+    if ids.size:
+        lo, hi = id_bounds(ids)
+        if lo < 0 or hi >= 2**31:
+            raise ValueError(f"{request_id!r}: block ids must lie in [0, 2**31)")
+    return ids.astype(np.int32, copy=False)
 
 
 class TransferTally(msgspec.Struct, gc=False):
@@ -66,6 +81,7 @@ class Peer(msgspec.Struct, gc=False):
     clock_error: float = 0.0  # how far off that offset may be (half the handshake's transit)
     clock_measured: bool = False  # whether a handshake measured them yet
     idle_since: float = 0.0  # when a sweep last saw a live request use it
+    incarnation: int = 0  # the process the last handshake reached (0: unknown)
 
     def measured(self, offset: float, error: float) -> None:
         """Take one handshake's estimate of the peer's clock. Consistent with what earlier ones

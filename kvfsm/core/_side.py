@@ -10,8 +10,6 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
-import numpy as np
-
 from kvfsm.core._config import CoreConfig, Identity, Mode
 from kvfsm.core._containment import requests_hit, short_trace
 from kvfsm.core._deadlines import Deadlines, earliest
@@ -38,8 +36,7 @@ from kvfsm.core._io import (
     TransferResult,
 )
 from kvfsm.core._quarantine import Quarantine
-from kvfsm.core._records import Peer, Request, TransferTally
-from kvfsm.layout import id_bounds
+from kvfsm.core._records import Peer, Request, TransferTally, caller_blocks
 from kvfsm.lifecycle import LocalProtocolError, ProtocolError, RemoteProtocolError, load
 from kvfsm.wire import BlockIds, Message, WireError, decode, encode
 
@@ -72,6 +69,9 @@ class Side:
         self.quarantine = Quarantine()
         self.transport_drain_s = self.config.transport_drain_s or 0.0
         """How long given-up transfers may still land (the runtime sets it from its fabric)."""
+        self.incarnation = 0
+        """This process of the engine rank, in its registrations and grants (the runtime sets
+        it; 0: unknown)."""
         self.tombstones = Tombstones(self.config.tombstones)
         self._out: list[Command] = []
         self._now = 0.0
@@ -192,6 +192,7 @@ class Side:
         peer = self.peers.get(event.peer)
         if peer is not None:
             peer.measured(event.clock_offset, event.clock_error)
+            peer.incarnation = event.incarnation
             peer.idle_since = self._now
             if self._next_peer_sweep is None:
                 self._next_peer_sweep = self._now + self.config.peer_idle_ttl_s / 2
@@ -327,18 +328,6 @@ class Side:
         except RemoteProtocolError as exc:
             self._count_error("protocol_error", str(exc))
 
-    def _blocks(self, request_id: str, blocks: Any) -> BlockIds:
-        """The caller's block ids as a 1-D int32 array, checked once here (messages then carry
-        them without further checks)."""
-        ids = np.asarray(blocks)
-        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-            raise TypeError(
-                f"{request_id!r}: block ids must be a 1-D integer array, got {ids!r:.80}"
-            )
-        if not _in_range(ids):
-            raise ValueError(f"{request_id!r}: block ids must lie in [0, 2**31)")
-        return ids.astype(np.int32, copy=False)
-
     def _new_request(self, request_id: str, blocks: BlockIds) -> Request:
         if self.shut_down:
             raise RuntimeError(f"{self.side} is shut down: cannot admit {request_id!r}")
@@ -347,7 +336,7 @@ class Side:
             raise LocalProtocolError(request_id, self.side, name, state, "admit")
         initial = self._req.lifecycle.initial
         history = ("admit", initial, self._now) if self.config.trace else None
-        blocks = self._blocks(request_id, blocks)
+        blocks = caller_blocks(request_id, blocks)
         req = Request(request_id, initial, blocks, TransferTally(request_id, 1), history)
         self.requests[request_id] = req
         return req
@@ -400,6 +389,16 @@ class Side:
             self._count_error("late", f"result for {req.id!r} after its tally closed")
             return
         self._tally.fire(tally, "result_ok" if ok else "result_failed", self._now)
+
+    def _stale(self, agent: str, incarnation: int) -> bool:
+        """Whether our connection to `agent` reaches another process than the `incarnation`
+        whose block ids we hold (it restarted under its name): they would be another's memory."""
+        peer = self.peers.get(agent)
+        reached = 0 if peer is None else peer.incarnation
+        if not (incarnation and reached) or incarnation == reached:
+            return False
+        self._count_error("stale_incarnation", f"{agent}: ids of {incarnation}, on {reached}")
+        return True
 
     def _connected(self, agents: Iterable[str]) -> bool:
         peers = self.peers
@@ -489,11 +488,3 @@ class Side:
 
     def _tally_cmd_signal_failed(self, tally: TransferTally) -> None:
         self._runq.post(self._req, self.requests[tally.id], "transfer_failed")
-
-
-def _in_range(ids: np.ndarray) -> bool:
-    """Whether every id of a 1-D integer array lies in [0, 2**31)."""
-    if not ids.size:
-        return True
-    lo, hi = id_bounds(ids)
-    return lo >= 0 and hi < 2**31

@@ -44,7 +44,7 @@ from kvfsm.runtime._conformance import Conformance
 from kvfsm.runtime._guests import Guests
 from kvfsm.runtime._kv import KvCache
 from kvfsm.runtime._routes import Route, plan_route, prepare_route
-from kvfsm.runtime._seals import Seals
+from kvfsm.runtime._seals import Seals, new_epoch
 from kvfsm.runtime._trace import RequestTrace, TransferStats, trace_of
 from kvfsm.wire import SharedSecret
 
@@ -56,14 +56,16 @@ CallerOutput = (
 
 
 class PeerInfo(msgspec.Struct, frozen=True):
-    """What a handshake learns about a peer rank: its agent, where its KV regions are, and its
-    clock: the peer's clock minus ours, within `clock_error` seconds."""
+    """What a handshake learns about a peer rank: its agent, where its KV regions are, its
+    clock (the peer's clock minus ours, within `clock_error` seconds) and which process
+    answered (`incarnation`, 0: unknown)."""
 
     agent: str
     metadata: bytes
     layout: RegionLayout
     clock_offset: float = 0.0
     clock_error: float = 0.0
+    incarnation: int = 0
 
 
 class HandshakeError(Exception):
@@ -129,6 +131,7 @@ class Engine:
         secret: SharedSecret | None = None,
         guests: Guests | None = None,
         conformance: bool = False,
+        incarnation: int | None = None,
     ) -> None:
         """`coalesce`: post each transfer as descriptor rows merged where adjacent on both sides
         (dynamic lists) instead of one prepared row per block per region (docs/performance.md
@@ -138,7 +141,9 @@ class Engine:
         engine's listener; with it, notifications are taken only from them and from peers this
         engine handshaked with (None: the listener runs elsewhere, nothing to check against).
         `conformance`: replay every step the core takes through `transitions` (`.conformance`);
-        a divergence is counted and comes out as an `InternalError` (docs/runtime.md)."""
+        a divergence is counted and comes out as an `InternalError` (docs/runtime.md).
+        `incarnation`: this process of the engine rank, later than any before it under the
+        same agent name (default: from the wall clock); peers check it before moving KV."""
         self.side = side
         self.fabric = fabric
         side.transport_drain_s = _drain_bound(side.config.transport_drain_s, fabric)
@@ -159,7 +164,9 @@ class Engine:
             self._deregister()
             raise
         self._routes: dict[str, Route] = {}  # peer agent (loaded) -> how to move KV with it
-        self._seals = Seals(side.identity.agent, secret, self.counters)
+        self.incarnation = new_epoch() if incarnation is None else incarnation
+        side.incarnation = self.incarnation
+        self._seals = Seals(side.identity.agent, secret, self.counters, self.incarnation)
         self._guests = guests
         self._stats: dict[str, TransferStats] = {}
         self._queue: deque[Event] = deque()
@@ -183,7 +190,8 @@ class Engine:
 
     def info(self) -> PeerInfo:
         """What a peer's handshake with this engine returns."""
-        return PeerInfo(self.agent, self.fabric.get_agent_metadata(), self.kv.layout)
+        metadata = self.fabric.get_agent_metadata()
+        return PeerInfo(self.agent, metadata, self.kv.layout, incarnation=self.incarnation)
 
     @property
     def busy(self) -> bool:
@@ -290,7 +298,9 @@ class Engine:
             self.counters["handshake_failed"] += 1
             self._queue.append(HandshakeFailed(peer, str(exc)))
             return
-        self._queue.append(HandshakeDone(peer, result.clock_offset, result.clock_error))
+        self._queue.append(
+            HandshakeDone(peer, result.clock_offset, result.clock_error, result.incarnation)
+        )
 
     def _receive(self, sender: str, data: bytes) -> None:
         """One notification: opened (with a secret), then to the core if the sender is a peer

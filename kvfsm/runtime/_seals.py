@@ -23,15 +23,18 @@ def new_epoch() -> int:
 
 
 class Seals:
-    """Seals and opens the notifications of agent `agent`; without a secret, passes them
-    through and drops sealed ones (the sender holds a secret this engine was not given).
+    """Seals and opens the notifications of agent `agent` in its incarnation `epoch` (0: a new
+    one); without a secret, passes them through and drops sealed ones (the sender holds a
+    secret this engine was not given).
     Refusals are counted in `counters`: `unauthenticated`, `replayed`."""
 
-    def __init__(self, agent: str, secret: SharedSecret | None, counters: Counter[str]) -> None:
+    def __init__(
+        self, agent: str, secret: SharedSecret | None, counters: Counter[str], epoch: int = 0
+    ) -> None:
         self._agent = agent
         self._secret = secret
         self._counters = counters
-        self._epoch = new_epoch()  # this incarnation's, in every notification it seals
+        self._epoch = epoch or new_epoch()  # this incarnation's, in every notification it seals
         self._sent: Counter[str] = Counter()  # per peer: notifications sealed
         self._replays = ReplayGuard()
 

@@ -78,6 +78,8 @@ class HandshakePayload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     `geometry` carries the rank's KV shape: layers, KV heads, head dim, dtype bytes, block size
     (tokens), number of blocks, TP size and rank, K/V split, MLA and page layout (HND/NHD); it
     is validated as it is decoded. `base_addresses` and `block_lens` have one entry per region.
+    `incarnation` names the rank's process (0: unknown): a peer writes or reads blocks only for
+    messages from the incarnation its handshake reached.
     """
 
     engine_id: str
@@ -90,6 +92,7 @@ class HandshakePayload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     wire_version: int
     compat_hash: str
     device: int = 0
+    incarnation: int = 0
 
     @property
     def rank(self) -> int:
@@ -255,4 +258,5 @@ def payload_of(engine: Engine, *, compat_hash: str, wire_version: int) -> Handsh
         wire_version=wire_version,
         compat_hash=compat_hash,
         device=layout.device,
+        incarnation=engine.incarnation,
     )

@@ -114,7 +114,10 @@ class ZmqDirectory:
             requester=self.requester,
         )  # fmt: skip
         self._check(payload)
-        return PeerInfo(payload.agent, payload.agent_metadata, payload.layout(), offset, error)
+        layout = payload.layout()
+        return PeerInfo(
+            payload.agent, payload.agent_metadata, layout, offset, error, payload.incarnation
+        )
 
     def _finish(self, peer: str, future: Future[_Result]) -> None:
         result: _Result

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -154,6 +155,7 @@ class Cluster:
         self.trace = trace
         self.engines: dict[str, Engine] = {}
         self._views: dict[str, DirectoryView] = {}
+        self._starts: Counter[str] = Counter()  # incarnations: the same in every replay
         self.dead: set[str] = set()
         self.requests: dict[str, PairedRequest] = {}
         self.ledger = Ledger(self)
@@ -195,9 +197,11 @@ class Cluster:
         skew = self.clock_skew[side]
         clock = (lambda: self.now + skew) if skew else (lambda: self.now)
         self._views[agent] = view = self.directory.view(clock, agent)
+        self._starts[agent] += 1
         engine = Engine(
-            core, fabric, kv, view, clock, secret=self.secret, guests=self.directory.guests
-        )
+            core, fabric, kv, view, clock, secret=self.secret, guests=self.directory.guests,
+            incarnation=self._starts[agent],
+        )  # fmt: skip
         self.engines[agent] = engine
         self.directory.publish(agent, engine.info, clock)
         self.dead.discard(agent)

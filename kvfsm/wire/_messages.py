@@ -37,14 +37,14 @@ __all__ = [
 MAX_MESSAGE_BYTES = 1 << 20
 """Largest notification accepted (a registration of ~260,000 blocks)."""
 
-WIRE_VERSION = 1
-"""The version of these messages. It enters every handshake's compatibility hash and payload,
+WIRE_VERSION = 2
+"""The version of these messages (2: registrations and grants name the sender's incarnation). It enters every handshake's compatibility hash and payload,
 so engines speaking different versions refuse each other before any transfer."""
 
 BlockIds = npt.NDArray[np.int32]
 
 _SUFFIX = re.compile(r"-[0-9a-fA-F]{8}\Z")
-_MAGIC = b"kv1"  # kvfsm wire version 1; anything else is not ours
+_MAGIC = b"kv1"  # kvfsm notification framing; anything else is not ours
 _LE_INT32 = np.dtype("<i4")  # built once, not parsed from its string per message
 
 
@@ -67,21 +67,24 @@ class Registration(_Msg, frozen=True, tag="reg"):
     must not post a WRITE at or after `deadline` (D's clock; P converts it with the offset its
     handshake with D measured), so D can bound its fence.
     `contact` is where D's side channel listens ("host:port", "" if P knows already): P
-    handshakes back with D there before it writes (push) or grants (pull)."""
+    handshakes back with D there before it writes (push) or grants (pull). `incarnation` is
+    the sending process's (0: unknown): its block ids mean nothing to a restarted D."""
 
     engine_id: str
     block_ids: bytes
     deadline: float
     contact: str = ""
+    incarnation: int = 0
 
 
 class Grant(_Msg, frozen=True, tag="grant"):
     """P -> D (pull): read these P blocks now. D must not post a READ it could not finish (cancel)
     before `deadline` (P's clock, converted by D with its handshake's offset): P may release the
-    blocks after it."""
+    blocks after it. `incarnation` as in `Registration`."""
 
     block_ids: bytes
     deadline: float
+    incarnation: int = 0
 
 
 class Progress(_Msg, frozen=True, tag="writing"):

@@ -59,6 +59,7 @@ def _payload(engine_id: str = "prefill", rank: int = 0, **changes: object) -> Ha
         mode="push",
         wire_version=WIRE,
         compat_hash=HASH,
+        incarnation=1_700_000_000_000_000_000 + rank,  # the process, as `new_epoch` names it
     )
     return msgspec.structs.replace(base, **changes)
 
@@ -319,7 +320,9 @@ def _collect(directory: ZmqDirectory, n: int) -> dict[str, PeerInfo | HandshakeE
 
 
 def _info(payload: HandshakePayload) -> PeerInfo:
-    return PeerInfo(payload.agent, payload.agent_metadata, payload.layout())
+    return PeerInfo(
+        payload.agent, payload.agent_metadata, payload.layout(), incarnation=payload.incarnation
+    )
 
 
 def _sans_clock(result: PeerInfo | HandshakeError) -> PeerInfo | HandshakeError:

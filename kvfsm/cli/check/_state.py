@@ -127,7 +127,8 @@ def _engine_print(c: Cluster, agent: str, n: Namer) -> Hashable:
     )
     peers = sorted(
         (p.id, p.state, len(p.outbox), tuple(map(n.id, p.waiters)), n.t(getattr(p, "idle_since", None)),
-         round(getattr(p, "clock_offset", 0.0), 9), round(getattr(p, "clock_error", 0.0), 9))
+         round(getattr(p, "clock_offset", 0.0), 9), round(getattr(p, "clock_error", 0.0), 9),
+         getattr(p, "incarnation", 0))
         for p in side.peers.values()
     )  # fmt: skip
     flights = sorted((n.id(f.request_id), f.op, f.peer, _xfer_state(engine, f.handle))
@@ -160,7 +161,7 @@ def _request_print(r: Any, n: Namer) -> tuple[Any, ...]:
     tally = r.tally
     links = [
         (a, n.id(link.request_id), bool(link.transfer_id), getattr(link, "granted", None),
-         n.t(link.deadline), len(link.block_ids))
+         n.t(link.deadline), len(link.block_ids), link.incarnation)
         for a, link in sorted(r.links.items())
     ]  # fmt: skip
     return (
