@@ -165,6 +165,17 @@ def late_results_while_fencing(mode: Mode) -> Cluster:
     return c
 
 
+def d_fences_a_silent_rank_after_losing_one(mode: Mode) -> Cluster:
+    """D registered with both P ranks; one goes silent, then the other's host resets: D learns
+    of the loss, fences the silent one, and its fence runs out."""
+    c = _cluster(mode, p_tp=2, slow=False)
+    c.admit("r", 2)
+    _until(c, "D#0", "r", "registered")
+    c.kill("P#0", reset=False)
+    c.kill("P#1", reset=True)
+    return c
+
+
 def two_consumers_register_early(mode: Mode) -> Cluster:
     """Two D ranks register before P's prefill ends; one handshake fails, then D gives up."""
     c = _cluster(mode, d_tp=2, slow=False)
@@ -362,6 +373,7 @@ INTERLEAVINGS: tuple[Interleaving, ...] = (
     handshake_hangs,
     p_cannot_reach_d,
     late_results_while_fencing,
+    d_fences_a_silent_rank_after_losing_one,
     two_consumers_register_early,
     two_producers_one_grant_late,
     many_handles_some_fail,

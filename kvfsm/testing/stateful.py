@@ -28,6 +28,7 @@ _FAULTS = (
     "release",
     "reorder",
     "handshake",
+    "hang",
 )
 
 
@@ -120,7 +121,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         elif kind in ("release", "reorder"):
             net.release_held(agent, reverse=kind == "reorder")
         elif kind == "hang":
-            self.cluster.directory.hang_next(agent)
+            self.cluster.directory.hang_next(agent, seconds=data.draw(st.sampled_from([0.5, 5.0])))
         else:
             self.cluster.directory.fail_next(agent)
 
