@@ -48,7 +48,7 @@ class LocalDirectory:
         self._engines.pop(agent, None)
 
     def fail_next(self, peer: str, times: int = 1) -> None:
-        """Make the next `times` handshakes with `peer` fail."""
+        """Make the next `times` handshakes with `peer` (to start, or to look it up) fail."""
         self._failures[peer] += times
 
     def hang_next(self, peer: str, times: int = 1, seconds: float = 60.0) -> None:
@@ -61,6 +61,9 @@ class LocalDirectory:
         if self._failures[peer] > 0:
             self._failures[peer] -= 1
             raise HandshakeError(f"handshake with {peer!r} failed (injected)")
+        return self._answer(peer)
+
+    def _answer(self, peer: str) -> PeerInfo:
         info = self._engines.get(peer)
         if info is None:
             raise HandshakeError(f"nothing listens for {peer!r}")
@@ -80,19 +83,23 @@ class DirectoryView:
         self._directory = directory
         self._clock = clock
         self._requester = requester
-        # (due, peer, our clock at the start, the peer's clock when the request reaches it)
-        self._started: list[tuple[float, str, float, float]] = []
+        # (due, peer, our clock at the start, the peer's clock when the request reaches it,
+        # whether it is to fail)
+        self._started: list[tuple[float, str, float, float, bool]] = []
 
     def start(self, peer: str, contact: str = "") -> None:
         """Begin a handshake with `peer`; it finishes after the directory's latency (engines
-        are found by name here: `contact` is not needed)."""
+        are found by name here: `contact` is not needed). A scripted failure or hang is taken
+        by the handshake that starts next."""
         d = self._directory
         delay = d._latency
         if d._hangs[peer] > 0:
             d._hangs[peer] -= 1
             delay = d._hang_s[peer]
+        failing = d._failures[peer] > 0
+        d._failures[peer] -= failing
         reached = d.peer_clock(peer) + d._latency / 2  # a hang is the peer holding the request
-        self._started.append((d._clock() + delay, peer, self._clock(), reached))
+        self._started.append((d._clock() + delay, peer, self._clock(), reached, failing))
 
     def next_due(self) -> float | None:
         """When the next handshake under way finishes (the directory's clock), if any."""
@@ -104,9 +111,11 @@ class DirectoryView:
         due = [entry[1:] for entry in self._started if entry[0] <= now]
         self._started = [entry for entry in self._started if entry[0] > now]
         out: list[tuple[str, PeerInfo | HandshakeError]] = []
-        for peer, sent, reached in due:
+        for peer, sent, reached, failing in due:
             try:
-                info = self._directory.lookup(peer)
+                if failing:
+                    raise HandshakeError(f"handshake with {peer!r} failed (injected)")
+                info = self._directory._answer(peer)
             except HandshakeError as exc:
                 out.append((peer, exc))
                 continue

@@ -176,6 +176,18 @@ def d_fences_a_silent_rank_after_losing_one(mode: Mode) -> Cluster:
     return c
 
 
+def p_loses_a_late_consumer_mid_transfer(mode: Mode) -> Cluster:
+    """One D rank's registration comes late, after P began moving KV for the other; P's
+    handshake back with it is refused: P fails that rank's share mid-transfer."""
+    c = _cluster(mode, d_tp=2)
+    c.directory.hang_next("P#0", seconds=0.5)  # D#0's handshake: it registers late
+    c.admit("r", 2)
+    c.finish_prefill("r")
+    _until(c, "P#0", "r", _transferring(mode))
+    c.directory.fail_next("D#0")
+    return c
+
+
 def two_consumers_register_early(mode: Mode) -> Cluster:
     """Two D ranks register before P's prefill ends; one handshake fails, then D gives up."""
     c = _cluster(mode, d_tp=2, slow=False)
@@ -374,6 +386,7 @@ INTERLEAVINGS: tuple[Interleaving, ...] = (
     p_cannot_reach_d,
     late_results_while_fencing,
     d_fences_a_silent_rank_after_losing_one,
+    p_loses_a_late_consumer_mid_transfer,
     two_consumers_register_early,
     two_producers_one_grant_late,
     many_handles_some_fail,

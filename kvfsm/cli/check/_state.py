@@ -145,7 +145,7 @@ def _engine_print(c: Cluster, agent: str, n: Namer) -> Hashable:
         extra = (n.t(side._next_heartbeat), holds)
     return repr((
         agent, sorted(_request_print(r, n) for r in side.requests.values()), deadlines, peers,
-        flights, sorted((n.t(e[0]), e[1]) for e in handshakes(engine)), sorted(ended),
+        flights, sorted((n.t(e[0]), e[1], e[-1]) for e in handshakes(engine)), sorted(ended),
         sorted(engine._routes), side.shut_down, extra, n.t(getattr(side, "_next_peer_sweep", None)),
     ))  # fmt: skip
 
