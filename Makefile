@@ -76,7 +76,7 @@ test-slow: $(STAMP) $(VLLM_STAMP)
 	CI=$${CI:-true} $(BIN)/pytest -q -m slow tests
 
 soak: $(STAMP)
-	HYPOTHESIS_PROFILE=soak $(BIN)/pytest -q tests/stateful tests/nixl/test_differential.py -p no:cacheprovider
+	HYPOTHESIS_PROFILE=soak $(BIN)/pytest -q tests/stateful tests/nixl/test_differential.py tests/nixl/test_twin.py -p no:cacheprovider
 
 # Coverage-guided fuzzing (atheris, i.e. libFuzzer) of the notification codec, the side channel's
 # request and reply decoders and the scenario loader, FUZZ_SECONDS per target. Each corpus grows

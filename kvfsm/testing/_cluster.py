@@ -42,7 +42,7 @@ from kvfsm.fabric import (
     UcxErrorHandling,
 )
 from kvfsm.layout import KvGeometry
-from kvfsm.runtime import CallerOutput, Engine, KvCache
+from kvfsm.runtime import CallerOutput, Directory, Engine, KvCache
 from kvfsm.sidechannel import DirectoryView, LocalDirectory
 from kvfsm.testing._invariants import Conformance, Ledger
 from kvfsm.testing._pattern import request_seed, write_request
@@ -186,26 +186,33 @@ class Cluster:
         )
         if self.conformance is not None:
             core.set_recorder(self.conformance.record)
-        fabric: Fabric
-        if self.real:
-            fabric = NixlFabric(agent, ucx_error_handling=self.ucx_error_handling)
-        elif agent in self.engines:
-            fabric = self.network.revive(agent)
-        else:
-            fabric = self.network.agent(agent)
+        fabric = self._new_fabric(agent)
         kv = KvCache.allocate(self.geometry[side].for_rank(rank))
         skew = self.clock_skew[side]
         clock = (lambda: self.now + skew) if skew else (lambda: self.now)
-        self._views[agent] = view = self.directory.view(clock, agent)
         self._starts[agent] += 1
         engine = Engine(
-            core, fabric, kv, view, clock, secret=self.secret, guests=self.directory.guests,
-            incarnation=self._starts[agent],
+            core, fabric, kv, self._new_directory(agent, clock), clock, secret=self.secret,
+            guests=self.directory.guests, incarnation=self._starts[agent],
         )  # fmt: skip
         self.engines[agent] = engine
-        self.directory.publish(agent, engine.info, clock)
+        self._publish(engine, clock)
         self.dead.discard(agent)
         return engine
+
+    def _new_fabric(self, agent: str) -> Fabric:
+        if self.real:
+            return NixlFabric(agent, ucx_error_handling=self.ucx_error_handling)
+        if agent in self.engines:
+            return self.network.revive(agent)
+        return self.network.agent(agent)
+
+    def _new_directory(self, agent: str, clock: Callable[[], float]) -> Directory:
+        self._views[agent] = view = self.directory.view(clock, agent)
+        return view
+
+    def _publish(self, engine: Engine, clock: Callable[[], float]) -> None:
+        self.directory.publish(engine.agent, engine.info, clock)
 
     def kill(self, agent: str, reset: bool) -> None:
         """The process of `agent` dies: with `reset`, peers see the connection reset; else silence."""
