@@ -68,7 +68,8 @@ class _CountedNixl(NixlFabric):
         super().__init__(name, ucx_error_handling="peer")
         self._traffic = traffic
         self._live = live  # the cluster's live agents, by name
-        self._kept: dict[str, list[bytes]] = {}
+        self._arrived: dict[str, list[bytes]] = {}  # taken from NIXL during this round
+        self._ready: dict[str, list[bytes]] = {}  # for the engine in this round
         self._dlist_peer: dict[int, str] = {}
         self._target: dict[int, str] = {}  # transfer -> its peer
         self._notifying: dict[int, str] = {}  # transfer with a notification -> its peer
@@ -122,9 +123,22 @@ class _CountedNixl(NixlFabric):
         return self._counted(handle, state)
 
     def progress(self) -> None:
-        """Let NIXL progress this agent, keeping what notifications it brings."""
+        """Let NIXL progress this agent; what notifications it brings wait for the next round
+        (on SimFabric a message takes a step: none is read in the round that sent it)."""
         for sender, messages in super().get_new_notifs().items():
-            self._kept.setdefault(sender, []).extend(messages)
+            self._arrived.setdefault(sender, []).extend(messages)
+            self._traffic.got[(sender, self.agent_name)] += len(messages)
+
+    def open_round(self) -> None:
+        """What arrived so far is the engine's to take in the round that begins."""
+        for sender, messages in self._arrived.items():
+            self._ready.setdefault(sender, []).extend(messages)
+        self._arrived = {}
+
+    @property
+    def holding(self) -> bool:
+        """Notifications taken from NIXL and not yet by the engine."""
+        return bool(self._arrived or self._ready)
 
     def check_xfer_state(self, handle: XferHandle) -> XferState:
         return self._counted(handle, super().check_xfer_state(handle))
@@ -144,11 +158,8 @@ class _CountedNixl(NixlFabric):
         self._traffic.sent[(self.agent_name, agent)] += 1
 
     def get_new_notifs(self) -> dict[str, list[bytes]]:
-        notifs, self._kept = self._kept, {}
-        for sender, messages in super().get_new_notifs().items():
-            notifs.setdefault(sender, []).extend(messages)
-        for sender, messages in notifs.items():
-            self._traffic.got[(sender, self.agent_name)] += len(messages)
+        """The notifications of this round (see `progress`)."""
+        notifs, self._ready = self._ready, {}
         return notifs
 
 
@@ -168,7 +179,10 @@ class _Handshakes:
 
     def start(self, peer: str, contact: str = "") -> None:
         c = self._cluster
-        hold = c.hangs.pop(peer, 0.0)
+        hold = 0.0
+        if c.hangs[peer]:  # counted, with one hold per agent: as `LocalDirectory.hang_next`
+            c.hangs[peer] -= 1
+            hold = c.hang_s[peer]
         if c.refusals[peer]:  # taken by the handshake that starts next, as on SimFabric
             c.refusals[peer] -= 1
             contact = f"127.0.0.1:{c.refuser.port}"
@@ -206,7 +220,8 @@ class LockstepCluster(Cluster):
         self._clock = clock
         self.traffic = _Traffic()
         self._fabrics: dict[str, _CountedNixl] = {}  # live agents
-        self.hangs: dict[str, float] = {}  # agent -> hold of the next handshake with it
+        self.hangs: Counter[str] = Counter()  # agent -> next handshakes with it to hang
+        self.hang_s: dict[str, float] = {}  # agent -> how long they hang
         self.refusals: Counter[str] = Counter()  # agent -> next handshakes with it refused
         self.refuser = HandshakeListener(lambda _agent: None)  # a side channel that refuses
         self._payloads: dict[str, HandshakePayload] = {}
@@ -284,8 +299,10 @@ class LockstepCluster(Cluster):
         raise NotImplementedError(self.revive.__doc__)
 
     def hang_next_handshake(self, agent: str, seconds: float) -> None:
-        """The next handshake with `agent` answers `seconds` of the clock later."""
-        self.hangs[agent] = seconds
+        """The next handshake with `agent` answers `seconds` of the clock later (as every
+        hang still to come with it)."""
+        self.hangs[agent] += 1
+        self.hang_s[agent] = seconds
 
     def refuse_next_post(self, agent: str) -> None:
         """`agent`'s next post is refused."""
@@ -302,11 +319,18 @@ class LockstepCluster(Cluster):
     def catch_up(self) -> None:
         """Release the handshakes whose hold passed, then poll every live engine until nothing
         is on its way (AssertionError if the real fabric does not come to rest in time)."""
+        until = time.monotonic() + _REST_S
         for agent, handshakes in self._handshakes.items():
             if agent not in self.dead:
                 handshakes.release(self.now)
-        until = time.monotonic() + _REST_S
+        # Handshakes whose hold ended are answered before the engines poll: on SimFabric their
+        # result comes before the deadlines that fall in the same step.
+        while any(h.zmq.pending for h in self._handshakes.values()):
+            if time.monotonic() > until:
+                raise AssertionError("the side channel did not answer")
+            time.sleep(1e-4)
         while True:
+            self._deliver(until)
             for agent, engine in self.engines.items():
                 if agent not in self.dead:
                     engine.poll()
@@ -318,9 +342,21 @@ class LockstepCluster(Cluster):
                 raise AssertionError(f"the real fabric did not come to rest: {busy}")
             time.sleep(1e-4)
 
+    def _deliver(self, until: float) -> None:
+        """Begin a round: every notification sent to a live rank so far is taken from NIXL,
+        and each engine may read it in this round."""
+        while self.traffic.on_the_way(self.dead):
+            if time.monotonic() > until:
+                raise AssertionError(f"undelivered: {self.traffic.on_the_way(self.dead)}")
+            for fabric in self._fabrics.values():
+                fabric.progress()
+        for fabric in self._fabrics.values():
+            fabric.open_round()
+
     def _busy(self) -> list[str]:
         """What is still on its way."""
         busy = [f"notifications {k}" for k in self.traffic.on_the_way(self.dead)]
+        busy += [f"{a}: notifications to read" for a, f in self._fabrics.items() if f.holding]
         for agent, engine in self.engines.items():
             if agent in self.dead:
                 continue
