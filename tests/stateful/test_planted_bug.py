@@ -6,6 +6,11 @@ over TCP)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.errors import Flaky
@@ -19,6 +24,7 @@ from kvfsm.testing.stateful import machine_for
 # of one request do not end at the same instant.
 _SLOW = SimFaults(transfer_latency=0.25, delay_notif=0.5, max_notif_delay=0.3)
 _BUDGET = settings(
+    database=None,  # as the profiles: also in the fresh interpreter below, which loads none
     max_examples=1000,
     derandomize=True,
     deadline=None,
@@ -56,15 +62,34 @@ def test_same_machines_pass_without_the_bug() -> None:
 _TCP = SimFaults(transfer_latency=0.25, late_delivery=0.6)
 
 
+def _search_without_the_hold(mode: str, p_tp: int, d_tp: int) -> str:
+    """Run the search with D's hold removed; what it found ("" if nothing)."""
+    Consumer._may_still_land = lambda self, req: False  # type: ignore[method-assign]
+    machine = machine_for(mode, p_tp, d_tp, _TCP)  # type: ignore[arg-type]
+    try:
+        run_state_machine_as_test(machine, settings=_BUDGET)
+    except (AssertionError, Flaky) as exc:
+        return str(exc)
+    return ""
+
+
 @pytest.mark.parametrize(("mode", "p_tp", "d_tp"), [("push", 1, 1), ("pull", 1, 2)])
 def test_blocks_handed_back_before_late_bytes_land_are_caught(
-    monkeypatch: pytest.MonkeyPatch, mode: str, p_tp: int, d_tp: int
+    mode: str, p_tp: int, d_tp: int
 ) -> None:
-    monkeypatch.setattr(Consumer, "_may_still_land", lambda self, req: False)  # no hold
-    machine = machine_for(mode, p_tp, d_tp, _TCP)  # type: ignore[arg-type]
-    with pytest.raises((AssertionError, Flaky)) as caught:
-        run_state_machine_as_test(machine, settings=_BUDGET)
-    assert "no late write" in str(caught.value) and "bytes still due" in str(caught.value)
+    # In a fresh interpreter: in a pytest worker that ran certain other test files first, the
+    # same derandomised search took other paths and missed the bug (not understood yet; the
+    # hash seed is not it). Alone, it finds it after 102 programs, whatever ran before.
+    script = (
+        "import sys; from tests.stateful.test_planted_bug import _search_without_the_hold as s;"
+        f"sys.stdout.write(s({mode!r}, {p_tp}, {d_tp}))"
+    )
+    env = {**os.environ, "CI": "true"}
+    found = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600,
+        cwd=Path(__file__).parents[2],
+    ).stdout  # fmt: skip
+    assert "no late write" in found and "bytes still due" in found, found[-2000:]
 
 
 def test_same_late_bytes_machines_pass_with_the_hold() -> None:
