@@ -216,9 +216,9 @@ class Producer(Side):
         self._peer_of(sender, msg.contact)  # where to handshake back with D
         self._evict_if_restarted(sender, msg.incarnation)
         blocks = unpack_blocks(msg.block_ids)
-        link = ConsumerLink(sender, msg.sender_request_id, blocks, msg.deadline)
-        link.incarnation = msg.incarnation
-        req.links[sender] = link
+        req.links[sender] = ConsumerLink(
+            sender, msg.sender_request_id, blocks, msg.deadline, incarnation=msg.incarnation
+        )
         req.peers += (sender,)
         req.tally.expected = expected
         self._by_consumer[(sender, msg.sender_request_id)] = req
