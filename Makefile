@@ -72,8 +72,9 @@ CHECK_DEPTH ?= 9
 check: $(STAMP)
 	$(BIN)/kvfsm check --mode both --depth $(CHECK_DEPTH)
 
-# What `make test` leaves out for time: kvfsm check at its default bound (depth 9, both modes)
-# and vLLM's own NixlConnector through the end-to-end harness (docs/testing.md).
+# What `make test` leaves out for time: kvfsm check at its default bound (depth 9, both modes),
+# the plain Llama over HTTP, the hybrid model's negative control and vLLM's own NixlConnector
+# through the end-to-end harness (docs/testing.md).
 test-slow: $(STAMP) $(VLLM_STAMP)
 	CI=$${CI:-true} $(BIN)/pytest -q -m slow tests
 

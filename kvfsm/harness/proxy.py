@@ -3,9 +3,10 @@
 The contract of vLLM's toy proxy for its NIXL connector: each request goes to a prefill engine
 with ``kv_transfer_params={"do_remote_decode": true}`` and ``max_tokens=1``; P's answer carries
 the ``kv_transfer_params`` that the decode engine needs, and the request goes to D with them.
-With several P and D engines, requests go round-robin. Standard library only; one thread a
-request. Run: ``python -m kvfsm.harness.proxy --port 8000 --prefill localhost:8100
---decode localhost:8200``.
+With several P and D engines, requests go round-robin, and an engine that does not accept the
+connection (down, restarting) is passed over for the next one. Each answer's `Server-Timing`
+header says how long P and D took. Standard library only; one thread a request. Run:
+``python -m kvfsm.harness.proxy --port 8000 --prefill localhost:8100 --decode localhost:8200``.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import argparse
 import itertools
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -33,24 +35,41 @@ class Proxy:
     def __init__(self, port: int, prefill: Sequence[str], decode: Sequence[str]) -> None:
         if not prefill or not decode:
             raise ValueError("a proxy needs at least one prefill and one decode engine")
-        self._p = itertools.cycle(prefill)
-        self._d = itertools.cycle(decode)
+        self._p, self._d = itertools.cycle(prefill), itertools.cycle(decode)
+        self._counts = len(prefill), len(decode)
         self._lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
         self.port = self.server.server_address[1]
 
-    def complete(self, request: dict[str, Any]) -> tuple[int, bytes]:
+    def complete(self, request: dict[str, Any]) -> tuple[int, bytes, str]:
         """One completion through P then D: the HTTP status and body D answered (or P's
-        error, which ends the request there)."""
-        with self._lock:
-            p, d = next(self._p), next(self._d)
+        error, which ends the request there), and the time each took as a `Server-Timing`
+        header value (`prefill;dur=MS, decode;dur=MS`)."""
         prefill = {**request, "max_tokens": 1, "stream": False}
         prefill["kv_transfer_params"] = {"do_remote_decode": True}
-        status, body = _post(p, prefill)
+        t0 = time.perf_counter()
+        status, body = self._post_any(self._p, self._counts[0], prefill)
+        t1 = time.perf_counter()
         if status != 200:
-            return status, body
+            return status, body, f"prefill;dur={(t1 - t0) * 1e3:.3f}"
         params = json.loads(body).get("kv_transfer_params")
-        return _post(d, {**request, "kv_transfer_params": params})
+        decode = {**request, "kv_transfer_params": params}
+        status, body = self._post_any(self._d, self._counts[1], decode)
+        ms = ((t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
+        return status, body, "prefill;dur={:.3f}, decode;dur={:.3f}".format(*ms)
+
+    def _post_any(
+        self, engines: Iterator[str], count: int, body: dict[str, Any]
+    ) -> tuple[int, bytes]:
+        """`body` to the next engine in turn that accepts the connection."""
+        for _ in range(count):
+            with self._lock:
+                address = next(engines)
+            try:
+                return _post(address, body)
+            except _Unreachable as exc:
+                error = {"error": {"message": str(exc), "type": "BadGateway"}}
+        return 502, json.dumps(error).encode()
 
     def serve_forever(self) -> None:
         """Serve until `close`."""
@@ -77,9 +96,21 @@ def _post(address: str, body: dict[str, Any]) -> tuple[int, bytes]:
             return int(answer.status), bytes(answer.read())
     except urllib.error.HTTPError as exc:
         return int(exc.code), bytes(exc.read())
-    except OSError as exc:
-        error = {"error": {"message": f"{address}: {exc}", "type": "BadGateway"}}
-        return 502, json.dumps(error).encode()
+    except urllib.error.URLError as exc:
+        if isinstance(exc.reason, ConnectionRefusedError):
+            raise _Unreachable(f"{address}: {exc.reason}") from None
+        return _bad_gateway(address, exc)
+    except OSError as exc:  # the engine took the request and failed to answer: not retried
+        return _bad_gateway(address, exc)
+
+
+class _Unreachable(OSError):
+    """The engine refused the connection: the request never reached it."""
+
+
+def _bad_gateway(address: str, exc: OSError) -> tuple[int, bytes]:
+    error = {"error": {"message": f"{address}: {exc}", "type": "BadGateway"}}
+    return 502, json.dumps(error).encode()
 
 
 def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
@@ -102,11 +133,14 @@ def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
             except ValueError as exc:
                 self._answer(400, json.dumps({"error": str(exc)}).encode())
                 return
-            self._answer(*proxy.complete(request))
+            status, body, timing = proxy.complete(request)
+            self._answer(status, body, timing)
 
-        def _answer(self, status: int, body: bytes) -> None:
+        def _answer(self, status: int, body: bytes, timing: str = "") -> None:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
+            if timing:
+                self.send_header("Server-Timing", timing)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)

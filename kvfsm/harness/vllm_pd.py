@@ -54,6 +54,7 @@ __all__ = [
     "PdPair",
     "PdRequestResult",
     "PdResult",
+    "make_tiny_hybrid",
     "make_tiny_llama",
     "run_baseline",
     "run_pd",
@@ -75,8 +76,12 @@ P_REQUEST_PARAMS: dict[str, Any] = {
 _START_TIMEOUT_S = 300.0
 
 
-def make_tiny_llama(path: Path, seed: int = 0) -> Path:
+def make_tiny_llama(path: Path, seed: int = 0, *, sliding_window: int | None = None) -> Path:
     """A seeded random 2-layer Llama checkpoint (head_dim 64, no tokenizer) at ``path``.
+
+    With ``sliding_window`` (tokens), layer 0 attends within that window and layer 1 to the
+    whole prompt, as Gemma 3 or gpt-oss alternate: vLLM gives it a sliding-window and a
+    full-attention KV cache group.
 
     Greedy output of this model depends on the KV contents, so a decode that did not receive the
     prefill's KV generates different tokens. Reused when ``path/config.json`` already exists
@@ -98,8 +103,42 @@ def make_tiny_llama(path: Path, seed: int = 0) -> Path:
         initializer_range=0.1,
         max_position_embeddings=512,
     )
+    if sliding_window is not None:
+        config.sliding_window = sliding_window
+        config.layer_types = ["sliding_attention", "full_attention"]
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]
+    return _save(LlamaForCausalLM(config), path)  # type: ignore[no-untyped-call]
+
+
+def make_tiny_hybrid(path: Path, seed: int = 0) -> Path:
+    """A seeded random 4-layer Granite 4.0-H style checkpoint at ``path``: Mamba2 layers 0 and 2,
+    attention layers 1 and 3 (vLLM gives it a Mamba and a full-attention KV cache group).
+
+    vLLM 0.32 on CPU runs it in float32 only without prefix caching (its CPU chunk scan ignores
+    the intermediate states prefix caching asks for). Reused like `make_tiny_llama`'s.
+    """
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    import torch
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    config = GraniteMoeHybridConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        layer_types=["linear_attention", "full_attention"] * 2, num_local_experts=0,
+        num_experts_per_tok=0, shared_intermediate_size=512, position_embedding_type="rope",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, mamba_n_heads=8,
+        mamba_n_groups=1, mamba_d_state=16, mamba_d_head=64, mamba_d_conv=4, mamba_expand=2,
+        mamba_chunk_size=64, initializer_range=0.1, tie_word_embeddings=False, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return _save(GraniteMoeHybridForCausalLM(config).float(), path)  # type: ignore[no-untyped-call]
+
+
+def _save(model: Any, path: Path) -> Path:
+    """Save `model` at `path`, config.json last (its presence means the checkpoint is whole)."""
     path.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".tiny-", dir=path.parent) as partial:
         model.save_pretrained(partial)

@@ -18,13 +18,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvfsm.core import Identity
 from kvfsm.sidechannel import HandshakePayload
-from kvfsm.vllm._geometry import geometry_of
+from kvfsm.vllm._geometry import geometry_of, page_geometry_of
+from kvfsm.vllm._groups import KvGroups
 from kvfsm.vllm._params import contact_of
 from kvfsm.vllm._prom import KvfsmPromMetrics
 from kvfsm.vllm._scheduler import ConnectorStep, SchedulerSide
@@ -80,7 +82,7 @@ class KvfsmConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         self.settings = KvfsmSettings.from_extra_config(transfer.kv_connector_extra_config)
-        _refuse_unsupported(vllm_config, kv_cache_config)
+        self.groups = _refuse_unsupported(vllm_config, kv_cache_config)
         parallel = vllm_config.parallel_config
         self._is_producer = transfer.kv_role == "kv_producer"
         self._tp_size = parallel.tensor_parallel_size
@@ -90,7 +92,7 @@ class KvfsmConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(
                 self.settings, is_producer=self._is_producer, engine_id=transfer.engine_id,
-                tp_size=self._tp_size, port=port,
+                tp_size=self._tp_size, port=port, groups=self.groups,
             )  # fmt: skip
         else:
             identity = Identity(
@@ -100,7 +102,8 @@ class KvfsmConnector(KVConnectorBase_V1, SupportsHMA):
             model = vllm_config.model_config
             self._worker = WorkerSide(
                 self.settings, is_producer=self._is_producer, identity=identity,
-                model=_model_identity(model), dtype=str(model.dtype),
+                model=f"{_model_identity(model)}:{self.groups.describe()}", dtype=str(model.dtype),
+                fail_by_request=self.groups.count > 1,
             )  # fmt: skip
 
     # --- worker ----------------------------------------------------------------------------------
@@ -108,6 +111,13 @@ class KvfsmConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         worker = self._need_worker()
         config = self._vllm_config
+        if self.groups.has_mamba:
+            geometry, buffers = page_geometry_of(
+                kv_caches, page_bytes=self.groups.page_bytes, block_size=self.groups.block_size,
+                tp_size=self._tp_size, tp_rank=worker.identity.rank,
+            )  # fmt: skip
+            worker.start(geometry, buffers)
+            return
         geometry, buffers = geometry_of(
             kv_caches,
             block_size=config.cache_config.block_size,
@@ -145,6 +155,9 @@ class KvfsmConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._need_worker().finished()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return KVConnectorTransferResults(*self._need_worker().results())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._need_worker().load_errors()
@@ -185,8 +198,15 @@ class KvfsmConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, Any]:
-        (group,) = block_ids  # one KV cache group: checked at start-up
-        return self._need_sched().finished(request, group)
+        return self._need_sched().finished(request, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        # A load moves the request's own blocks of every transferred group (vLLM then leaves
+        # them unzeroed), not only the prefix-cacheable ones.
+        return self.groups.ids
+
+    def on_new_request(self, request: Any) -> None:
+        self._need_sched().new_request(request)
 
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and self._sched.pending
@@ -224,10 +244,9 @@ class KvfsmConnector(KVConnectorBase_V1, SupportsHMA):
         return self._sched
 
 
-def _refuse_unsupported(vllm_config: Any, kv_cache_config: Any) -> None:
-    """Refuse, at start-up and saying why, what the core cannot move correctly."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
+def _refuse_unsupported(vllm_config: Any, kv_cache_config: Any) -> KvGroups:
+    """Refuse, at start-up and saying why, what the core cannot move correctly; the KV cache
+    groups it moves otherwise."""
     problems = []
     role = vllm_config.kv_transfer_config.kv_role
     if role not in ("kv_producer", "kv_consumer"):
@@ -237,18 +256,15 @@ def _refuse_unsupported(vllm_config: Any, kv_cache_config: Any) -> None:
         problems.append("pipeline parallelism is not supported")
     if getattr(parallel, "decode_context_parallel_size", 1) > 1:
         problems.append("decode context parallelism is not supported")
+    groups = KvGroups.single()
     if kv_cache_config is not None:
-        groups = kv_cache_config.kv_cache_groups
-        specs = [type(g.kv_cache_spec).__name__ for g in groups]
-        if getattr(kv_cache_config, "has_mamba_layers", False):
-            problems.append("models with Mamba/SSM layers are not supported")
-        elif len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
-            problems.append(
-                f"KV cache groups {specs}: kvfsm moves one group of full attention (hybrid,"
-                f" sliding-window and Mamba models are not supported)"
-            )
+        try:
+            groups = KvGroups.of(kv_cache_config)
+        except SettingsError as exc:
+            problems.append(str(exc).removeprefix("KvfsmConnector "))
     if problems:
         raise SettingsError("KvfsmConnector cannot run this engine: " + "; ".join(problems))
+    return groups
 
 
 def _tp_rank(tp_size: int) -> int:

@@ -11,17 +11,27 @@ assuming one backend's:
   TP rank.
 
 Anything else is refused at start-up with the shape that was found.
+
+With several KV cache groups (sliding window beside full attention), vLLM overlays one layer of
+each group on the same tensor (a block id belongs to one group at a time): such aliases are one
+region, registered once.
+
+A Mamba group's pages hold its conv and SSM states (padded to the attention pages' size) where
+the attention layers overlaid on them hold K and V: no head layout fits both. `page_geometry_of`
+moves such pages whole, as opaque bytes (one byte-wide "head" per TP rank, tokens-first), which
+pairs rank r of P only with rank r of D, of the same TP size.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Mapping
 from typing import Any
 
 from kvfsm.layout import KvGeometry
 
-__all__ = ["LayoutError", "geometry_of"]
+__all__ = ["LayoutError", "geometry_of", "page_geometry_of"]
 
 
 class LayoutError(ValueError):
@@ -48,8 +58,7 @@ def geometry_of(
     """
     if not kv_caches:
         raise LayoutError("no KV cache tensors were registered")
-    names = sorted(kv_caches, key=_natural)
-    tensors = [kv_caches[n] for n in names]
+    names, tensors = _regions(kv_caches)
     shapes = {tuple(t.shape) for t in tensors}
     if len(shapes) != 1 or len({t.dtype for t in tensors}) != 1:
         raise LayoutError(f"the layers' KV tensors differ in shape or dtype: {sorted(shapes)}")
@@ -88,8 +97,62 @@ def geometry_of(
     return KvGeometry(**common, **fields), buffers
 
 
+def page_geometry_of(
+    kv_caches: Mapping[str, Any], *, page_bytes: int, block_size: int, tp_size: int, tp_rank: int
+) -> tuple[KvGeometry, list[Any]]:
+    """This rank's geometry and region buffers when its KV pages are opaque (a Mamba group):
+    one region per distinct tensor, `page_bytes` per block, moved whole."""
+    if not kv_caches:
+        raise LayoutError("no KV cache tensors were registered")
+    if page_bytes % (2 * block_size):
+        raise LayoutError(f"KV pages of {page_bytes} bytes do not split into {block_size} tokens")
+    firsts: dict[int, Any] = {}
+    for name in sorted(kv_caches, key=_natural):
+        firsts.setdefault(kv_caches[name].data_ptr(), kv_caches[name])
+    num_blocks = int(next(iter(firsts.values())).shape[0])
+    buffers = [_pages(t, num_blocks, page_bytes) for t in firsts.values()]
+    _check_buffers([f"region {i}" for i in range(len(buffers))], buffers)
+    geometry = KvGeometry(
+        num_layers=len(buffers), num_kv_heads=tp_size, head_dim=page_bytes // (2 * block_size),
+        dtype_bytes=1, block_size=block_size, num_blocks=num_blocks, tp_size=tp_size,
+        tp_rank=tp_rank, kv_layout="NHD",
+    )  # fmt: skip
+    return geometry, buffers
+
+
+def _pages(tensor: Any, num_blocks: int, page_bytes: int) -> Any:
+    """`num_blocks` pages of `page_bytes` from where `tensor` starts, as one uint8 tensor."""
+    import torch
+
+    if tensor.stride(0) * tensor.element_size() != page_bytes:
+        raise LayoutError(f"a KV tensor's blocks are not {page_bytes} bytes apart")
+    flat = tensor.view(torch.uint8)  # the same bytes, counted in bytes
+    return torch.as_strided(flat, (num_blocks * page_bytes,), (1,))
+
+
+def _regions(kv_caches: Mapping[str, Any]) -> tuple[list[str], list[Any]]:
+    """One (first layer name, tensor) per distinct tensor, in layer order: layers of different
+    groups that vLLM overlays on one tensor share a region."""
+    names: list[str] = []
+    tensors: list[Any] = []
+    seen: dict[int, Any] = {}
+    for name in sorted(kv_caches, key=_natural):
+        tensor = kv_caches[name]
+        first = seen.get(tensor.data_ptr())
+        if first is None:
+            seen[tensor.data_ptr()] = tensor
+            names.append(name)
+            tensors.append(tensor)
+        elif tuple(first.shape) != tuple(tensor.shape) or first.stride() != tensor.stride():
+            raise LayoutError(f"layer {name} overlays another layer's KV with another shape")
+    return names, tensors
+
+
 def _check_buffers(names: list[str], buffers: list[Any]) -> None:
     per_layer = len(buffers) // len(names)
     bad = sorted({names[i // per_layer] for i, b in enumerate(buffers) if not b.is_contiguous()})
     if bad:
         raise LayoutError(f"KV tensors must be contiguous to be registered with NIXL: {bad}")
+    spans = sorted((b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in buffers)
+    if any(end > nxt for (_, end), (nxt, _) in itertools.pairwise(spans)):
+        raise LayoutError("KV tensors of different layers overlap only in part")

@@ -13,13 +13,11 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from kvfsm.core import Abort, Admit, Event, PrefillFinished
 from kvfsm.sidechannel import HandshakeListener, HandshakePayload
+from kvfsm.vllm._groups import KvGroups
 from kvfsm.vllm._params import ParamsError, producer_params, remote_prefill
 from kvfsm.vllm._settings import KvfsmSettings
-from kvfsm.wire import BlockIds
 
 __all__ = ["ConnectorStep", "SchedulerSide"]
 
@@ -44,9 +42,10 @@ class SchedulerSide:
 
     def __init__(
         self, settings: KvfsmSettings, *, is_producer: bool, engine_id: str, tp_size: int,
-        port: int,
+        port: int, groups: KvGroups | None = None,
     ) -> None:  # fmt: skip
         self.settings = settings
+        self.groups = groups or KvGroups.single()
         self.is_producer = is_producer
         self.engine_id = engine_id
         self.tp_size = tp_size
@@ -112,8 +111,31 @@ class SchedulerSide:
             _log.warning("kvfsm: request %s computes locally: %s", request.request_id, exc)
             params["do_remote_prefill"] = False
             return 0, False
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        if num_computed_tokens and self.groups.hybrid:
+            # The transfer pairs every group's blocks from the request's start; after a local
+            # prefix hit D computes the rest itself (P's blocks are let go at allocation).
+            self.counters["local_hit_computed"] += 1
+            return 0, False
+        prompt = len(request.prompt_token_ids or ())
+        count = prompt - min(self.groups.prompt_backoff, prompt - 1) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    def new_request(self, request: Any) -> None:
+        """P, with a Mamba group: prefill all but the prompt's last token (vLLM's convention,
+        D computes it from the moved state); a rescheduled request is not cut twice."""
+        params = request.kv_transfer_params
+        backoff = self.groups.prompt_backoff
+        if not (self.is_producer and backoff and params and params.get("do_remote_decode")):
+            return
+        if params.get("_kvfsm_cut") or request.num_prompt_tokens <= backoff:
+            return
+        if request.prompt_token_ids is None:
+            return  # prompt embeddings: P prefills them whole and D loads nothing it lacks
+        del request.prompt_token_ids[-backoff:]
+        del request._all_token_ids[-backoff:]
+        request.num_prompt_tokens -= backoff
+        request.max_tokens = 1
+        params["_kvfsm_cut"] = True
 
     def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Blocks were allocated: P admits the prefill; D admits the load (or, with nothing to
@@ -125,29 +147,30 @@ class SchedulerSide:
         if self.is_producer:
             if params.get("do_remote_decode") and rid not in self._admitted:
                 self._admitted.add(rid)
-                self._events.append((Admit(rid, _ids(blocks.get_block_ids())), False))
+                admit = Admit(rid, self.groups.blocks(blocks.get_block_ids()))
+                self._events.append((admit, False))
         elif params.get("do_remote_prefill"):
             params["do_remote_prefill"] = False  # one load per request, as vLLM's connectors
-            ids = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
+            ids = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else []
             self._admit_load(rid, params, ids)
 
-    def _admit_load(self, rid: str, params: dict[str, Any], block_ids: list[int]) -> None:
+    def _admit_load(self, rid: str, params: dict[str, Any], block_ids: Any) -> None:
         try:
             p = remote_prefill(params, self.settings.mode)
         except ParamsError:  # counted when first seen; an unscheduled request just goes
             return
-        awaited = bool(block_ids)
+        ids = self.groups.blocks(tuple(block_ids))
+        awaited = bool(ids.size)
         if awaited:
             self._awaited.add(rid)
-        admit = Admit(
-            rid, _ids(block_ids), p.remote_engine_id, p.tp_size, p.remote_request_id, p.contact
-        )
+        admit = Admit(rid, ids, p.remote_engine_id, p.tp_size, p.remote_request_id, p.contact)
         self._events.append((admit, awaited))
 
     # --- finished ------------------------------------------------------------------------------
 
-    def finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """vLLM finished the request: (free its blocks later?, params for the client)."""
+    def finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM finished the request: (free its blocks later?, params for the client).
+        `block_ids`: one list per KV cache group (or one list with a single group)."""
         rid, params = request.request_id, request.kv_transfer_params
         if not params:
             return False, None
@@ -163,21 +186,15 @@ class SchedulerSide:
         if rid not in self._admitted:
             return False, None
         self._admitted.discard(rid)
-        if request.status.name not in _SENT or not block_ids:
+        moved = self.groups.blocks(block_ids)
+        if request.status.name not in _SENT or not moved.size:
             self._events.append((Abort(rid), False))
             return False, None
         self._awaited.add(rid)
-        self._events.append((PrefillFinished(rid, _ids(block_ids)), True))
+        self._events.append((PrefillFinished(rid, moved), True))
         s = self.settings
         return True, producer_params(
-            request_id=rid, block_ids=list(block_ids), engine_id=self.engine_id,
+            request_id=rid, block_ids=[int(b) for b in moved], engine_id=self.engine_id,
             host=s.side_channel_host, port=self.port, tp_size=self.tp_size,
             num_tokens=request.num_computed_tokens, mode=s.mode,
         )  # fmt: skip
-
-
-def _ids(blocks: Any) -> BlockIds:
-    """vLLM's block ids (a list, or one list per KV cache group) as the core's array."""
-    if isinstance(blocks, tuple):
-        (blocks,) = blocks  # one KV cache group: checked at start-up
-    return np.asarray(blocks, dtype=np.int32)

@@ -7,7 +7,9 @@ and handed to vLLM at its next `get_finished` / `get_block_ids_with_load_errors`
 
 The failure contract: the core reports a failed load (`ReportFailed`, with the request's blocks)
 before it lets the blocks go (`ReleaseBlocks`), and both land here in that order, so a load's
-invalid blocks are always handed to vLLM no later than the step that reports it finished.
+invalid blocks are always handed to vLLM no later than the step that reports it finished. With
+several KV cache groups (block ids mean nothing without their group) a failed load is handed
+over as the request's id in `failed_recving` instead, failing every group's blocks.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class WorkerSide:
 
     def __init__(
         self, settings: KvfsmSettings, *, is_producer: bool, identity: Identity, model: str,
-        dtype: str,
+        dtype: str, fail_by_request: bool = False,
     ) -> None:  # fmt: skip
         self.settings = settings
         self.is_producer = is_producer
@@ -68,6 +70,8 @@ class WorkerSide:
         self._sending: set[str] = set()  # guarded by _lock
         self._recving: set[str] = set()  # guarded by _lock
         self._invalid: set[int] = set()  # guarded by _lock
+        self._failed: set[str] = set()  # guarded by _lock
+        self._fail_by_request = fail_by_request
         self._stats = StatsWindow()  # guarded by _lock
         self.on_report: Callable[[], None] | None = None
         """Called (on the loop thread) when something for vLLM's next step arrived."""
@@ -142,6 +146,22 @@ class WorkerSide:
             invalid, self._invalid = self._invalid, set()
         return invalid
 
+    def results(self) -> tuple[set[str], set[str], set[str]]:
+        """`finished` and, with several KV cache groups, which of the loads failed: a failed
+        load is handed over in the same call that reports it received, as vLLM expects."""
+        with self._lock:
+            sending, self._sending = self._sending, set()
+            recving, self._recving = self._recving, set()
+            failed = self._failed & recving
+            self._failed -= failed
+        return sending, recving, failed
+
+    def _fail(self, rid: str, blocks: Any) -> None:  # under _lock
+        if self._fail_by_request:
+            self._failed.add(rid)
+        else:
+            self._invalid.update(int(b) for b in blocks)
+
     def stats(self) -> dict[str, Any] | None:
         """Stats since the last call, or None if nothing happened."""
         with self._lock:
@@ -165,7 +185,7 @@ class WorkerSide:
             if rid not in self._awaited:
                 return  # vLLM freed these blocks itself (an abort before P finished, a hit)
             if isinstance(output, ReportFailed):
-                self._invalid.update(int(b) for b in output.blocks)
+                self._fail(rid, output.blocks)
             else:
                 self._awaited.discard(rid)
                 (self._sending if self.is_producer else self._recving).add(rid)
@@ -187,7 +207,7 @@ class WorkerSide:
             if orphan:
                 self._awaited.discard(rid)
                 if isinstance(event, Admit):
-                    self._invalid.update(int(b) for b in event.blocks)
+                    self._fail(rid, event.blocks)
                 (self._sending if self.is_producer else self._recving).add(rid)
         _log.log(logging.WARNING if orphan else logging.DEBUG, "kvfsm: %r refused: %s", event, exc)
 

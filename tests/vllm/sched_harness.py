@@ -54,7 +54,12 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs, FinishReason
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -64,6 +69,7 @@ SAMPLED_TOKEN_ID = 7
 
 LAYER_NAMES = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 """The attention layer names vLLM gives the tiny Llama's two layers."""
+_LAYER_TYPES = ("sliding_attention", "full_attention")
 
 CPU_KV_CACHE_LAYOUT = "LBHNC"
 """The only layout vLLM 0.32's CPU attention backend supports (`supported_kv_cache_layouts`)."""
@@ -81,16 +87,22 @@ TINY_LLAMA_CONFIG: dict[str, Any] = {
 # fmt: on
 
 
-def write_tiny_config(path: Path) -> Path:
-    """Write only `config.json` for a tiny Llama into directory `path`; return `path`."""
+def write_tiny_config(path: Path, sliding_window: int | None = None) -> Path:
+    """Write only `config.json` for a tiny Llama into directory `path`; return `path`. With
+    `sliding_window`, layer 0 attends within that many tokens (two KV cache groups)."""
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG, indent=2))
+    config = dict(TINY_LLAMA_CONFIG)
+    if sliding_window is not None:
+        config |= {"sliding_window": sliding_window, "layer_types": list(_LAYER_TYPES)}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
 
 
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_model_dir(
+    tmp_path_factory: pytest.TempPathFactory, sliding_window: int | None = None
+) -> Path:
     """A fresh directory holding the tiny Llama's `config.json` (call from a fixture)."""
-    return write_tiny_config(tmp_path_factory.mktemp("tiny_llama"))
+    return write_tiny_config(tmp_path_factory.mktemp("tiny_llama"), sliding_window)
 
 
 def _kv_transfer_config(
@@ -146,18 +158,27 @@ def make_vllm_config(
 
 
 def make_kv_cache_config(vllm_config: VllmConfig, num_blocks: int) -> KVCacheConfig:
-    """One full-attention group holding both layers, `num_blocks` blocks (as vLLM's tests do)."""
+    """One full-attention group holding both layers, `num_blocks` blocks (as vLLM's tests do);
+    with a sliding window, layer 0's sliding-window group and layer 1's full-attention group,
+    overlaid on one tensor as vLLM's hybrid allocator lays them out."""
     model_config = vllm_config.model_config
-    spec = FullAttentionSpec(
-        block_size=vllm_config.cache_config.block_size,
-        num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
-        head_size=model_config.get_head_size(),
-        dtype=torch.float32,
-    )
+    shape = {
+        "block_size": vllm_config.cache_config.block_size,
+        "num_kv_heads": model_config.get_num_kv_heads(vllm_config.parallel_config),
+        "head_size": model_config.get_head_size(),
+        "dtype": torch.float32,
+    }
+    window = getattr(model_config.hf_config, "sliding_window", None)
+    groups = [KVCacheGroupSpec(list(LAYER_NAMES), FullAttentionSpec(**shape))]
+    if window is not None:
+        groups = [
+            KVCacheGroupSpec([LAYER_NAMES[0]], SlidingWindowSpec(**shape, sliding_window=window)),
+            KVCacheGroupSpec([LAYER_NAMES[1]], FullAttentionSpec(**shape)),
+        ]
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(list(LAYER_NAMES), spec)],
+        kv_cache_groups=groups,
         kv_cache_layout=CPU_KV_CACHE_LAYOUT,
     )
 
@@ -207,8 +228,11 @@ def make_cpu_kv_caches(scheduler: Scheduler) -> dict[str, torch.Tensor]:
     """
     config = scheduler.kv_cache_config
     spec = config.kv_cache_groups[0].kv_cache_spec
-    assert isinstance(spec, FullAttentionSpec)
+    assert isinstance(spec, FullAttentionSpec | SlidingWindowSpec)
     shape = (config.num_blocks, spec.num_kv_heads, spec.block_size, 2 * spec.head_size)
+    if len(config.kv_cache_groups) > 1:  # one layer of each group overlaid on one tensor
+        shared = torch.zeros(shape, dtype=spec.dtype)
+        return dict.fromkeys(LAYER_NAMES, shared)
     return {name: torch.zeros(shape, dtype=spec.dtype) for name in LAYER_NAMES}
 
 
@@ -494,5 +518,5 @@ def _assert_blocks_free(scheduler: Scheduler) -> None:
     pool = manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1, describe(scheduler)
     assert pool.get_usage() == 0.0, pool.get_usage()
-    held = [b.block_id for b in pool.blocks if b.ref_cnt != 0]
+    held = [b.block_id for b in pool.blocks if b.ref_cnt != 0 and not b.is_null]
     assert not held, f"blocks with ref_cnt != 0: {held}"

@@ -1,10 +1,11 @@
-"""End to end through real vLLM: a prefill engine and a decode engine joined by a KV connector.
+"""vLLM's own NixlConnector through the in-process harness the hand-off benchmark uses
+(`kvfsm.harness.vllm_pd`): the anchor should a kvfsm end-to-end test fail (is it the harness or
+kvfsm?). kvfsm's own end-to-end tests run `vllm serve` behind the proxy (test_serve_*.py).
 
 One seeded tiny Llama (its greedy output depends on the KV contents), five prompts around the
 32-token block size (shorter than, equal to and longer than a block multiple), 8 tokens each. D's
 tokens must equal one connector-less engine's, and D's ``vllm:prompt_tokens_by_source`` counters
-must show the prompts' KV arrived through the connector. vLLM's own NixlConnector anchors the
-harness (and the benchmark); a connector that claims loads it never made must be caught.
+must show the prompts' KV arrived through the connector.
 
 vLLM runs only in child processes (``kvfsm.harness.vllm_pd``): this process never imports it.
 Each pair takes about a minute on two cores; a slow first NIXL connection is tolerated, and
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -39,25 +39,6 @@ def baseline(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> list
     tokens = run_baseline(tiny_model, PROMPTS, MAX_TOKENS, log_dir=tmp_path_factory.mktemp("logs"))
     assert [len(t) for t in tokens] == [MAX_TOKENS] * len(PROMPTS)
     return tokens
-
-
-def kvfsm_config(
-    role: str,
-    mode: str,
-    connector: str = "KvfsmConnector",
-    module: str = "kvfsm.vllm",
-) -> dict[str, Any]:
-    """A kvfsm connector's ``--kv-transfer-config``, as a user writes it, with a free port."""
-    return {
-        "kv_connector": connector,
-        "kv_connector_module_path": module,
-        "kv_role": role,
-        "kv_connector_extra_config": {
-            "mode": mode,
-            "side_channel_host": "127.0.0.1",
-            "side_channel_port": free_port(),
-        },
-    }
 
 
 def assert_served_from_transfer(res: PdResult, baseline: list[list[int]]) -> None:
@@ -96,46 +77,3 @@ def test_nixl_pull_matches_baseline(
     assert_served_from_transfer(res, baseline)
     # NixlConnector loads every prompt token: D computes none of the prompts.
     assert res.external_tokens == sum(PROMPT_LENGTHS), res.d_prompt_tokens_by_source
-
-
-@pytest.mark.parametrize("mode", ["push", "pull"])
-def test_kvfsm_matches_baseline(
-    tiny_model: Path, baseline: list[list[int]], mode: str, tmp_path: Path
-) -> None:
-    """kvfsm's connector, push and pull: D serves the baseline's tokens from transferred KV."""
-    res = run_pd(
-        tiny_model,
-        PROMPTS,
-        kv_transfer_config_p=kvfsm_config("kv_producer", mode),
-        kv_transfer_config_d=kvfsm_config("kv_consumer", mode),
-        max_tokens=MAX_TOKENS,
-        log_dir=tmp_path,  # the engines' logs, kept with pytest's other temporary files
-    )
-    assert_served_from_transfer(res, baseline)
-    # D had nothing cached: every prompt token's KV came from P.
-    assert res.external_tokens == sum(PROMPT_LENGTHS), res.d_prompt_tokens_by_source
-
-
-def test_skipping_connector_serves_wrong_tokens(
-    tiny_model: Path, baseline: list[list[int]], tmp_path: Path
-) -> None:
-    """Negative control: a D that reports every load done without moving a byte is caught.
-
-    Its requests succeed (that is the danger) but some tokens differ from the baseline, so the
-    equality checked above really depends on the transferred KV.
-    """
-    res = run_pd(
-        tiny_model,
-        PROMPTS,
-        kv_transfer_config_p=kvfsm_config("kv_producer", "pull"),
-        kv_transfer_config_d=kvfsm_config(
-            "kv_consumer", "pull", "SkippingKvfsmConnector", "tests.vllm.skipping"
-        ),
-        max_tokens=MAX_TOKENS,
-        log_dir=tmp_path,  # the engines' logs, kept with pytest's other temporary files
-    )
-    assert res.errors == [], res.errors
-    differ = [
-        len(p) for p, got, want in zip(PROMPTS, res.token_ids, baseline, strict=True) if got != want
-    ]
-    assert differ, "D served the baseline's tokens without any KV: the e2e check proves nothing"

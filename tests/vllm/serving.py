@@ -1,0 +1,113 @@
+"""P and D `vllm serve` engines with kvfsm's connector behind the project's proxy, for the
+end-to-end tests (`kvfsm.harness.serve` starts each engine as the README does)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvfsm.harness.proxy import Proxy
+from kvfsm.harness.serve import Served, ServeError, complete, kvfsm_transfer_config
+from kvfsm.harness.vllm_pd import REPO_ROOT
+from kvfsm.testing import free_port
+
+START_S = 300.0  # a bound on an engine's start, not a timing expectation
+# The repository on the engines' path: a test's connector (tests.vllm.skipping) loads by module.
+_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+SKIPPING = {"connector": "SkippingKvfsmConnector", "module": "tests.vllm.skipping"}
+"""D's connector for the negative control: it claims every load without moving a byte."""
+
+
+@dataclass
+class Deployment:
+    """Prefill and decode engines, and the proxy in front of them."""
+
+    prefill: list[Served]
+    decode: list[Served]
+    proxy: Proxy
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.proxy.port}"
+
+
+@contextmanager
+def deployment(
+    model: Path, mode: str, logs: Path, *, prefill: int = 1, decode: int = 1,
+    d_connector: dict[str, Any] | None = None, flags: Sequence[str] = (),
+) -> Iterator[Deployment]:  # fmt: skip
+    """`prefill` P and `decode` D engines serving `model` in `mode` (`vllm serve` with `flags`
+    too), and a proxy; all stopped at the end. `d_connector` overrides D's connector
+    (`connector`, `module` keys)."""
+    with ExitStack() as stack:
+        engines: dict[str, list[Served]] = {"p": [], "d": []}
+        for side, count, role in (("p", prefill, "kv_producer"), ("d", decode, "kv_consumer")):
+            for i in range(count):
+                extra = (d_connector or {}) if side == "d" else {}
+                config = kvfsm_transfer_config(role, mode, free_port(), **extra)
+                log = logs / f"{side}{i}.log"
+                served = Served(model, free_port(), log, config, flags=flags, env=_ENV)
+                stack.callback(served.close)
+                engines[side].append(served)
+        until = time.monotonic() + START_S
+        try:
+            for served in engines["p"] + engines["d"]:
+                served.wait_ready(until)
+        except ServeError as exc:
+            pytest.fail(str(exc))
+        proxy = Proxy(
+            free_port(), [s.address for s in engines["p"]], [s.address for s in engines["d"]]
+        ).start()
+        stack.callback(proxy.close)
+        yield Deployment(engines["p"], engines["d"], proxy)
+
+
+def tokens(address: str, prompt: list[int], max_tokens: int = 8) -> list[int]:
+    """The greedy completion's token ids."""
+    ids: list[int] = complete(address, prompt, max_tokens)["choices"][0]["token_ids"]
+    return ids
+
+
+def served_in_both_modes(flags: Sequence[str] = ()) -> Any:
+    """A module fixture `served`: a deployment of the module's `model` fixture, push then pull."""
+
+    @pytest.fixture(scope="module", params=["push", "pull"])
+    def served(
+        request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory
+    ) -> Iterator[Deployment]:
+        logs = tmp_path_factory.mktemp(request.param)
+        with deployment(model, request.param, logs, flags=flags) as d:
+            yield d
+
+    return served
+
+
+def assert_a_skipping_d_is_caught(
+    model: Path, logs: Path, prompts: Sequence[list[int]], flags: Sequence[str] = ()
+) -> None:
+    """Negative control: a D that reports every load done without moving a byte succeeds (that
+    is the danger) but serves other tokens for some prompt, so `assert_d_serves_p_tokens`
+    depends on the transfer."""
+    with deployment(model, "pull", logs, d_connector=SKIPPING, flags=flags) as served:
+        p = served.prefill[0]
+        assert [len(x) for x in prompts if tokens(served.address, x) != tokens(p.address, x)]
+
+
+def assert_d_serves_p_tokens(
+    served: Deployment, prompts: Sequence[list[int]], backoff: int = 0
+) -> None:
+    """Through the proxy, D serves P's own greedy tokens for every prompt (one engine, no
+    hand-off), and D counts every prompt token but the last `backoff` as received over the
+    connector: with no transfer D would recompute them, and still match."""
+    (p,), (d,) = served.prefill, served.decode
+    for prompt in prompts:
+        assert tokens(served.address, prompt) == tokens(p.address, prompt), len(prompt)
+    counts = d.prompt_tokens_by_source()
+    assert counts.get("external_kv_transfer") == sum(len(x) - backoff for x in prompts), counts

@@ -1,0 +1,43 @@
+"""The README's recipe over HTTP: `vllm serve` P and D with kvfsm's connector (run from the
+project's `.venv`, where the `vllm` command works), the project's proxy in front, an HTTP client;
+a seeded tiny Llama (its greedy output depends on the KV contents) and prompts shorter than,
+equal to and longer than a 32-token block multiple. `make test-slow`: in `make test` the
+sliding-window Llama (test_serve_sliding_window.py) runs the same recipe, and the two-P two-D
+test (test_serve_xpyd.py) this model, for the suite's time.
+
+D's tokens through the proxy must equal P's own greedy tokens, D must count every prompt token
+as received over the connector, and a D that claims loads it never made must be caught."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from serving import (
+    Deployment,
+    assert_a_skipping_d_is_caught,
+    assert_d_serves_p_tokens,
+    served_in_both_modes,
+)
+
+from kvfsm.harness.vllm_pd import make_tiny_llama
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[(7 * i + j) % 1000 + 1 for j in range(n)] for i, n in enumerate((20, 32, 33, 64, 100))]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("model") / "llama")
+
+
+served = served_in_both_modes()
+
+
+def test_d_serves_p_tokens(served: Deployment) -> None:
+    assert_d_serves_p_tokens(served, PROMPTS)
+
+
+def test_a_d_that_moves_nothing_is_caught(model: Path, tmp_path: Path) -> None:
+    assert_a_skipping_d_is_caught(model, tmp_path, PROMPTS)
