@@ -101,9 +101,11 @@ plots: $(STAMP)
 	$(BIN)/python benchmarks/plot_performance.py --json-out docs/performance.json
 
 # Hand-off latency in real vLLM P/D pairs: vLLM's NixlConnector and NixlPushConnector against
-# kvfsm pull and push, one run (about 3 minutes here).
+# kvfsm pull and push, one run (about 3 minutes here); then the same under load through the
+# proxy, 1, 4 and 16 requests in flight, kvfsm against NixlConnector (about 5 minutes).
 bench-vllm: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python benchmarks/vllm_pd.py
+	$(BIN)/python benchmarks/vllm_load.py
 
 clean:
 	rm -rf $(VENV)
