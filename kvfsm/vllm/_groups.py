@@ -135,16 +135,20 @@ class KvGroups(msgspec.Struct, frozen=True):
     def blocks(self, block_ids: Any) -> BlockIds:
         """The blocks to move, every group's cut concatenated, from vLLM's block ids (one list
         per group, or one list with a single group)."""
+        moved = self.cut(block_ids)
+        return np.asarray([b for group in moved for b in group], dtype=np.int32)
+
+    def cut(self, block_ids: Any) -> list[list[int]]:
+        """The blocks each transferred group moves (see `blocks`)."""
         if not isinstance(block_ids, tuple | list) or not block_ids:
-            return np.asarray(block_ids, dtype=np.int32)
+            return [[int(b) for b in np.asarray(block_ids).ravel()]] if len(self.cuts) == 1 else []
         if not isinstance(block_ids[0], list | tuple):
             if len(self.cuts) != 1:
                 raise ValueError(f"one block list for {len(self.cuts)} KV cache groups")
-            return np.asarray(self.cuts[0].cut(block_ids), dtype=np.int32)
+            return [self.cuts[0].cut(block_ids)]
         if len(block_ids) != self.count:
             raise ValueError(f"{len(block_ids)} block lists for {self.count} KV cache groups")
-        moved = [c.cut(block_ids[i]) for c, i in zip(self.cuts, self.ids, strict=True)]
-        return np.asarray([b for group in moved for b in group], dtype=np.int32)
+        return [c.cut(block_ids[i]) for c, i in zip(self.cuts, self.ids, strict=True)]
 
 
 def _mamba_detail(spec: Any) -> str:

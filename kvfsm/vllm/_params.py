@@ -28,6 +28,13 @@ class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True):
     remote_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
     tp_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
     transfer_mode: str | None = None
+    kvfsm_group_blocks: (
+        Annotated[
+            list[Annotated[int, msgspec.Meta(ge=0, le=1 << 24)]], msgspec.Meta(max_length=256)
+        ]
+        | None
+    ) = None
+    """With several KV cache groups: how many blocks of each group P moves."""
 
     @property
     def contact(self) -> str:
@@ -65,9 +72,12 @@ def producer_params(
     tp_size: int,
     num_tokens: int,
     mode: str,
+    group_blocks: list[int] | None = None,
 ) -> dict[str, Any]:
-    """The params P returns for a finished prefill (vLLM's keys, so its proxies pass them on)."""
-    return {
+    """The params P returns for a finished prefill (vLLM's keys, so its proxies pass them on;
+    with several KV cache groups, `kvfsm_group_blocks` too)."""
+    extra = {} if group_blocks is None else {"kvfsm_group_blocks": group_blocks}
+    return extra | {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_block_ids": block_ids,

@@ -16,8 +16,9 @@ from typing import Any
 from kvfsm.core import Abort, Admit, Event, PrefillFinished
 from kvfsm.sidechannel import HandshakeListener, HandshakePayload
 from kvfsm.vllm._groups import KvGroups
-from kvfsm.vllm._params import ParamsError, producer_params, remote_prefill
+from kvfsm.vllm._params import ParamsError, RemotePrefill, producer_params, remote_prefill
 from kvfsm.vllm._settings import KvfsmSettings
+from kvfsm.wire import BlockIds
 
 __all__ = ["ConnectorStep", "SchedulerSide"]
 
@@ -28,13 +29,17 @@ _SENT = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")  # P finished its prefill
 
 class ConnectorStep:
     """One step's core events for every worker, in order, each with whether the scheduler waits
-    for the worker to report the request (`finished_sending`/`finished_recving`)."""
+    for the worker to report the request (`finished_sending`/`finished_recving`); and D's loads
+    refused before they began (request id, blocks), which the workers report failed."""
 
-    def __init__(self, events: list[tuple[Event, bool]]) -> None:
+    def __init__(
+        self, events: list[tuple[Event, bool]], refused: list[tuple[str, BlockIds]] | None = None
+    ) -> None:
         self.events = events
+        self.refused = refused or []
 
     def __repr__(self) -> str:
-        return f"ConnectorStep({self.events!r})"
+        return f"ConnectorStep({self.events!r}, refused={self.refused!r})"
 
 
 class SchedulerSide:
@@ -53,6 +58,7 @@ class SchedulerSide:
         self.counters: Counter[str] = Counter()
         self.listener: HandshakeListener | None = None
         self._events: list[tuple[Event, bool]] = []
+        self._refused: list[tuple[str, BlockIds]] = []
         self._admitted: set[str] = set()  # P: admitted, prefill not yet finished
         self._awaited: set[str] = set()  # P: finished_sending; D: finished_recving pending
 
@@ -78,7 +84,8 @@ class SchedulerSide:
     def take_step(self) -> ConnectorStep:
         """The events gathered since the last step."""
         events, self._events = self._events, []
-        return ConnectorStep(events)
+        refused, self._refused = self._refused, []
+        return ConnectorStep(events, refused)
 
     def reported(self, sending: set[str] | None, recving: set[str] | None) -> None:
         """The workers reported these requests; the scheduler frees or resumes them."""
@@ -163,8 +170,24 @@ class SchedulerSide:
         awaited = bool(ids.size)
         if awaited:
             self._awaited.add(rid)
+        if awaited and self.groups.hybrid and not self._pairs(rid, p, tuple(block_ids)):
+            # P is let go (no blocks to fill) and vLLM gets the load as failed.
+            self._refused.append((rid, ids))
+            ids, awaited = ids[:0], False
         admit = Admit(rid, ids, p.remote_engine_id, p.tp_size, p.remote_request_id, p.contact)
         self._events.append((admit, awaited))
+
+    def _pairs(self, rid: str, p: RemotePrefill, block_ids: tuple[Any, ...]) -> bool:
+        """D's blocks pair with P's group by group (the transfer pairs them from the end)."""
+        mine = [len(group) for group in self.groups.cut(block_ids)]
+        if p.kvfsm_group_blocks == mine:
+            return True
+        self.counters["group_mismatch"] += 1
+        _log.warning(
+            "kvfsm: request %s fails its load: P moves %s blocks per KV cache group, D holds %s",
+            rid, p.kvfsm_group_blocks, mine,
+        )  # fmt: skip
+        return False
 
     # --- finished ------------------------------------------------------------------------------
 
@@ -186,6 +209,7 @@ class SchedulerSide:
         if rid not in self._admitted:
             return False, None
         self._admitted.discard(rid)
+        groups = self.groups.cut(block_ids)
         moved = self.groups.blocks(block_ids)
         if request.status.name not in _SENT or not moved.size:
             self._events.append((Abort(rid), False))
@@ -197,4 +221,5 @@ class SchedulerSide:
             request_id=rid, block_ids=[int(b) for b in moved], engine_id=self.engine_id,
             host=s.side_channel_host, port=self.port, tp_size=self.tp_size,
             num_tokens=request.num_computed_tokens, mode=s.mode,
+            group_blocks=[len(g) for g in groups] if self.groups.hybrid else None,
         )  # fmt: skip

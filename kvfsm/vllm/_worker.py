@@ -127,6 +127,11 @@ class WorkerSide:
             if step.events:
                 raise RuntimeError("kvfsm: events before register_kv_caches")
             return
+        if step.refused:
+            with self._lock:
+                for rid, blocks in step.refused:
+                    self._fail(rid, blocks)
+                    (self._sending if self.is_producer else self._recving).add(rid)
         for event, awaited in step.events:
             if awaited:
                 with self._lock:

@@ -278,7 +278,14 @@ def test_an_unreachable_p_fails_the_load_in_bounded_time(model_dir: Path, mode: 
 
 @pytest.mark.parametrize(
     "bad",
-    [{"remote_host": None}, {"remote_port": "5600"}, {"tp_size": 0}, {"transfer_mode": "other"}],
+    [
+        {"remote_host": None},
+        {"remote_port": "5600"},
+        {"tp_size": 0},
+        {"transfer_mode": "other"},
+        {"kvfsm_group_blocks": [-1]},
+        {"kvfsm_group_blocks": [1] * 257},
+    ],
 )
 def test_malformed_params_from_a_client_make_d_compute_locally(
     model_dir: Path, bad: dict[str, Any]

@@ -40,6 +40,7 @@ def _hand_off(e: Pair, prompt: list[int] = PROMPT) -> tuple[list[int], list[int]
     params = e.prefill("p-1", prompt)
     p_blocks = _moved(e.p.group_blocks("p-1"))
     assert params["remote_block_ids"] == p_blocks
+    assert params["kvfsm_group_blocks"] == [WINDOW_BLOCKS, 5]
     e.decode("d-1", params, prompt)
     e.settle(lambda: "d-1" in e.d.scheduler.requests and bool(e.d.group_blocks("d-1")[1]),
              "D allocating")  # fmt: skip
@@ -102,4 +103,23 @@ def test_d_aborted_mid_load_frees_every_group_on_both(model_dir: Path, mode: str
         e.d.driver.step()
         e.d.driver.abort("d-1")
         e.settle(lambda: "p-1" not in e.p.scheduler.requests, "P letting go")
+        e.assert_idle()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_blocks_that_do_not_pair_group_by_group_fail_the_load_and_free_p(
+    model_dir: Path, mode: str
+) -> None:
+    # The transfer pairs the concatenated groups from their end: if D held fewer blocks of one
+    # group than P moves, the other groups' blocks would shift. D refuses such a load.
+    with pair(model_dir, mode, "recompute") as e:
+        params = e.prefill("p-1", PROMPT)
+        e.decode("d-1", params | {"kvfsm_group_blocks": [WINDOW_BLOCKS - 1, 5]}, PROMPT)
+        e.settle(lambda: "d-1" in e.d.driver.finished(), "D recomputing d-1")
+        e.settle(lambda: "p-1" not in e.p.scheduler.requests, "P letting go")
+        outputs = [r.kv_connector_output for r in e.d.driver.history if r.kv_connector_output]
+        assert any("d-1" in kv.failed_recving for kv in outputs)
+        assert e.d.driver.finished()["d-1"] == FinishReason.LENGTH
+        assert e.d.connector._sched is not None
+        assert e.d.connector._sched.counters["group_mismatch"] == 1
         e.assert_idle()
