@@ -31,8 +31,13 @@ def _moved(blocks: list[list[int]]) -> list[int]:
 
 
 def _kv(engine: Engine, blocks: list[int]) -> torch.Tensor:
-    (tensor,) = {t.data_ptr(): t for t in engine.kv.values()}.values()  # one overlaid tensor
-    return tensor[blocks]
+    """The blocks' KV with every rank's heads side by side (heads are dim 1)."""
+    return torch.cat([_overlaid(kv)[blocks] for _, kv in engine.ranks], dim=1)
+
+
+def _overlaid(kv: dict[str, torch.Tensor]) -> torch.Tensor:
+    (tensor,) = {t.data_ptr(): t for t in kv.values()}.values()  # one tensor for both groups
+    return tensor
 
 
 def _hand_off(e: Pair, prompt: list[int] = PROMPT) -> tuple[list[int], list[int]]:
@@ -49,8 +54,9 @@ def _hand_off(e: Pair, prompt: list[int] = PROMPT) -> tuple[list[int], list[int]
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_every_group_moves_and_d_runs(model_dir: Path, mode: str) -> None:
-    with pair(model_dir, mode) as e:
+@pytest.mark.parametrize("tp", [(1, 1), (1, 2)], ids=["P1-D1", "P1-D2"])
+def test_every_group_moves_and_d_runs(model_dir: Path, mode: str, tp: tuple[int, int]) -> None:
+    with pair(model_dir, mode, tp=tp) as e:
         p_blocks, d_blocks = _hand_off(e)
         e.settle(lambda: "d-1" in e.d.driver.finished(), "D finishing d-1")
         assert len(p_blocks) == len(d_blocks) == WINDOW_BLOCKS + 5
