@@ -27,7 +27,7 @@ import numpy as np
 from kvfsm.vllm._settings import SettingsError
 from kvfsm.wire import BlockIds
 
-__all__ = ["GroupCut", "KvGroups"]
+__all__ = ["GroupCut", "KvGroups", "joined"]
 
 
 class GroupCut(msgspec.Struct, frozen=True):
@@ -135,8 +135,7 @@ class KvGroups(msgspec.Struct, frozen=True):
     def blocks(self, block_ids: Any) -> BlockIds:
         """The blocks to move, every group's cut concatenated, from vLLM's block ids (one list
         per group, or one list with a single group)."""
-        moved = self.cut(block_ids)
-        return np.asarray([b for group in moved for b in group], dtype=np.int32)
+        return joined(self.cut(block_ids))
 
     def cut(self, block_ids: Any) -> list[list[int]]:
         """The blocks each transferred group moves (see `blocks`)."""
@@ -149,6 +148,11 @@ class KvGroups(msgspec.Struct, frozen=True):
         if len(block_ids) != self.count:
             raise ValueError(f"{len(block_ids)} block lists for {self.count} KV cache groups")
         return [c.cut(block_ids[i]) for c, i in zip(self.cuts, self.ids, strict=True)]
+
+
+def joined(groups: list[list[int]]) -> BlockIds:
+    """Every group's cut blocks (from `KvGroups.cut`) as one array, in group order."""
+    return np.asarray([b for group in groups for b in group], dtype=np.int32)
 
 
 def _mamba_detail(spec: Any) -> str:

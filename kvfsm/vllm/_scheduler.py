@@ -15,7 +15,7 @@ from typing import Any
 
 from kvfsm.core import Abort, Admit, Event, PrefillFinished
 from kvfsm.sidechannel import HandshakeListener, HandshakePayload
-from kvfsm.vllm._groups import KvGroups
+from kvfsm.vllm._groups import KvGroups, joined
 from kvfsm.vllm._params import ParamsError, RemotePrefill, producer_params, remote_prefill
 from kvfsm.vllm._settings import KvfsmSettings
 from kvfsm.wire import BlockIds
@@ -166,20 +166,21 @@ class SchedulerSide:
             p = remote_prefill(params, self.settings.mode)
         except ParamsError:  # counted when first seen; an unscheduled request just goes
             return
-        ids = self.groups.blocks(tuple(block_ids))
+        groups = self.groups.cut(tuple(block_ids))
+        ids = joined(groups)
         awaited = bool(ids.size)
         if awaited:
             self._awaited.add(rid)
-        if awaited and self.groups.hybrid and not self._pairs(rid, p, tuple(block_ids)):
+        if awaited and self.groups.hybrid and not self._pairs(rid, p, groups):
             # P is let go (no blocks to fill) and vLLM gets the load as failed.
             self._refused.append((rid, ids))
             ids, awaited = ids[:0], False
         admit = Admit(rid, ids, p.remote_engine_id, p.tp_size, p.remote_request_id, p.contact)
         self._events.append((admit, awaited))
 
-    def _pairs(self, rid: str, p: RemotePrefill, block_ids: tuple[Any, ...]) -> bool:
+    def _pairs(self, rid: str, p: RemotePrefill, groups: list[list[int]]) -> bool:
         """D's blocks pair with P's group by group (the transfer pairs them from the end)."""
-        mine = [len(group) for group in self.groups.cut(block_ids)]
+        mine = [len(group) for group in groups]
         if p.kvfsm_group_blocks == mine:
             return True
         self.counters["group_mismatch"] += 1
@@ -210,7 +211,7 @@ class SchedulerSide:
             return False, None
         self._admitted.discard(rid)
         groups = self.groups.cut(block_ids)
-        moved = self.groups.blocks(block_ids)
+        moved = joined(groups)
         if request.status.name not in _SENT or not moved.size:
             self._events.append((Abort(rid), False))
             return False, None
