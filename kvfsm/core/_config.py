@@ -60,6 +60,13 @@ class CoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     trace: bool = True
     """Keep each request's transition history (state, event, time)."""
 
+    @property
+    def longest_wait_s(self) -> float:
+        """The longest any one wait of a request lasts before a deadline ends it: a message
+        that trails a later one from its sender by more than this concerns a request whose
+        sides have moved on."""
+        return max(self.lease_s, self.watchdog_s, self.stall_s, self.producer_stall_s, self.fence_s)
+
     def __post_init__(self) -> None:
         checks = [
             (self.producer_stall_s > self.stall_s, "producer_stall_s must exceed stall_s"),

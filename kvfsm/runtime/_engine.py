@@ -166,7 +166,10 @@ class Engine:
         self._routes: dict[str, Route] = {}  # peer agent (loaded) -> how to move KV with it
         self.incarnation = new_epoch() if incarnation is None else incarnation
         side.incarnation = self.incarnation
-        self._seals = Seals(side.identity.agent, secret, self.counters, self.incarnation)
+        # A late notification is waited for as long as any request could still use it: twice
+        # the longest deadline, plus what the transport may still deliver after it.
+        gap_ttl_s = 2 * side.config.longest_wait_s + side.transport_drain_s
+        self._seals = Seals(side.identity.agent, secret, self.counters, self.incarnation, gap_ttl_s)
         self._guests = guests
         self._stats: dict[str, TransferStats] = {}
         self._queue: deque[Event] = deque()
@@ -305,7 +308,7 @@ class Engine:
     def _receive(self, sender: str, data: bytes) -> None:
         """One notification: opened (with a secret), then to the core if the sender is a peer
         we handshaked with or a guest of our listener; else counted and dropped."""
-        opened = self._seals.open(sender, data)
+        opened = self._seals.open(sender, data, self.clock())
         if opened is None:
             return
         guests = self._guests

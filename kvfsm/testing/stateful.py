@@ -12,6 +12,7 @@ from kvfsm.core import Mode
 from kvfsm.fabric import SimFaults
 from kvfsm.layout import KvGeometry
 from kvfsm.testing._cluster import SMALL_GEOMETRY, Cluster
+from kvfsm.wire import SharedSecret
 
 __all__ = ["LifecycleMachine", "machine_for"]
 
@@ -42,6 +43,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     geometry: ClassVar[KvGeometry] = SMALL_GEOMETRY
     d_block_size: ClassVar[int | None] = None
     clock_skew: ClassVar[dict[str, float] | None] = None
+    secret: ClassVar[SharedSecret | None] = None
     examples_run: ClassVar[int] = 0  # over every machine, for the coverage check
 
     def __init__(self) -> None:
@@ -49,6 +51,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.cluster = Cluster(
             self.mode, p_tp=self.p_tp, d_tp=self.d_tp, faults=self.faults, num_blocks=24,
             geometry=self.geometry, d_block_size=self.d_block_size, clock_skew=self.clock_skew,
+            secret=self.secret,
         )  # fmt: skip
         self.count = 0
         self.agents = self.cluster.agents("P") + self.cluster.agents("D")
@@ -153,6 +156,14 @@ class LifecycleMachine(RuleBasedStateMachine):
         problems = self.cluster.ledger.violations + self._conformance()
         assert not problems, "\n".join(problems[:10])
 
+    @invariant()
+    def only_replays_refused(self) -> None:
+        """With a secret, every notification refused as a replay is one the network duplicated:
+        no legitimate one is lost to the guard, however the fabric reorders or delays."""
+        engines = self.cluster.engines.values()
+        refused = sum(e.counters["replayed"] + e.counters["unauthenticated"] for e in engines)
+        assert refused <= self.cluster.network.stats.notifs_duplicated
+
     def teardown(self) -> None:
         """Properties 1 and 5: once every prefill is over (the serving engine's part) and time runs
         past every bound, everything ended and was released."""
@@ -180,15 +191,18 @@ def machine_for(
     geometry: KvGeometry = SMALL_GEOMETRY,
     d_block_size: int | None = None,
     clock_skew: dict[str, float] | None = None,
+    secret: SharedSecret | None = None,
 ) -> type[LifecycleMachine]:
     """A `LifecycleMachine` subclass for one mode, TP pair, background fault mix, model geometry
     (e.g. replicated MLA KV), D block size (a multiple of the geometry's) and clock skew per
-    side (hosts whose clocks differ)."""
+    side (hosts whose clocks differ) and shared secret (every notification sealed, checked
+    and guarded against replays)."""
     name = f"LifecycleMachine_{mode}_{p_tp}x{d_tp}" + ("_mla" if geometry.mla else "")
     name += f"_d{d_block_size}" if d_block_size else ""
     name += "_skewed" if clock_skew else ""
+    name += "_sealed" if secret else ""
     attrs = {
         "mode": mode, "p_tp": p_tp, "d_tp": d_tp, "faults": faults, "geometry": geometry,
-        "d_block_size": d_block_size, "clock_skew": clock_skew,
+        "d_block_size": d_block_size, "clock_skew": clock_skew, "secret": secret,
     }  # fmt: skip
     return type(name, (LifecycleMachine,), attrs)

@@ -18,6 +18,7 @@ from kvfsm.core import CoreConfig, Mode, ReleaseBlocks, ReportFailed, ReportRece
 from kvfsm.fabric import SimFaults, tcp_late_delivery_s
 from kvfsm.testing._cluster import FAST_CONFIG, SMALL_GEOMETRY, Cluster
 from kvfsm.testing._lockstep import LockstepCluster
+from kvfsm.wire import SharedSecret
 
 __all__ = ["TwinMachine", "twin_for"]
 
@@ -40,6 +41,7 @@ class TwinMachine(RuleBasedStateMachine):
     p_tp: ClassVar[int] = 1
     d_tp: ClassVar[int] = 1
     d_block_size: ClassVar[int | None] = None
+    secret: ClassVar[SharedSecret | None] = None
     programs: ClassVar[int] = 0  # over every twin machine, for the report
     steps: ClassVar[int] = 0
     taken: ClassVar[Counter[str]] = Counter()  # faults injected, and requests' final states
@@ -48,7 +50,7 @@ class TwinMachine(RuleBasedStateMachine):
         super().__init__()
         options: dict[str, Any] = {
             "p_tp": self.p_tp, "d_tp": self.d_tp, "num_blocks": 16, "config": _config(),
-            "geometry": SMALL_GEOMETRY, "d_block_size": self.d_block_size,
+            "geometry": SMALL_GEOMETRY, "d_block_size": self.d_block_size, "secret": self.secret,
         }  # fmt: skip
         self.sim = Cluster(
             self.mode, faults=SimFaults(notif_latency=1e-9), handshake_latency=0.0, **options
@@ -238,8 +240,18 @@ def _received(c: Cluster) -> dict[str, bytes]:
     return out
 
 
-def twin_for(mode: Mode, p_tp: int = 1, d_tp: int = 1, d_block_size: int | None = None) -> type:
-    """A `TwinMachine` for one mode, TP pair and D block size."""
+def twin_for(
+    mode: Mode,
+    p_tp: int = 1,
+    d_tp: int = 1,
+    d_block_size: int | None = None,
+    secret: SharedSecret | None = None,
+) -> type:
+    """A `TwinMachine` for one mode, TP pair, D block size and shared secret (the real side
+    channel and every notification on both fabrics authenticated with it)."""
     name = f"TwinMachine_{mode}_{p_tp}x{d_tp}" + (f"_d{d_block_size}" if d_block_size else "")
-    attrs = {"mode": mode, "p_tp": p_tp, "d_tp": d_tp, "d_block_size": d_block_size}
+    name += "_sealed" if secret else ""
+    attrs = {
+        "mode": mode, "p_tp": p_tp, "d_tp": d_tp, "d_block_size": d_block_size, "secret": secret,
+    }  # fmt: skip
     return type(name, (TwinMachine,), attrs)

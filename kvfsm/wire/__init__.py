@@ -1,6 +1,8 @@
 """Wire messages between engines and their codec."""
 
 from kvfsm.wire._auth import (
+    GAP_TTL_S,
+    MAX_GAPS,
     MIN_SECRET_BYTES,
     TAG_BYTES,
     AuthError,
@@ -31,6 +33,8 @@ from kvfsm.wire._messages import (
 )
 
 __all__ = [
+    "GAP_TTL_S",
+    "MAX_GAPS",
     "MAX_MESSAGE_BYTES",
     "MIN_SECRET_BYTES",
     "TAG_BYTES",

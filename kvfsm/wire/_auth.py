@@ -16,8 +16,8 @@ from collections import OrderedDict
 from typing import NamedTuple
 
 __all__ = [
-    "MIN_SECRET_BYTES", "TAG_BYTES", "AuthError", "Opened", "ReplayGuard", "SharedSecret",
-    "is_sealed",
+    "GAP_TTL_S", "MAX_GAPS", "MIN_SECRET_BYTES", "TAG_BYTES", "AuthError", "Opened",
+    "ReplayGuard", "SharedSecret", "is_sealed",
 ]  # fmt: skip
 
 MIN_SECRET_BYTES = 16
@@ -26,8 +26,11 @@ TAG_BYTES = 32  # HMAC-SHA256, untruncated
 _SEALED = b"kvm2"  # a sealed notification: magic, epoch and sequence number, tag, plain message
 _COUNTERS = struct.Struct("<QQ")
 _HEAD = len(_SEALED) + _COUNTERS.size + TAG_BYTES
-REPLAY_WINDOW = 64
-"""Sequence numbers behind the highest seen that are still taken once (the fabric may reorder)."""
+MAX_GAPS = 1 << 16
+"""Numbers a `ReplayGuard` waits for at once, over all its senders (docs/security.md): a
+number is waited for once a later one from the same sender was taken."""
+GAP_TTL_S = 120.0
+"""How long a `ReplayGuard` waits for a number by default (the engine passes its own bound)."""
 MAX_SENDERS = 4096
 """Senders a `ReplayGuard` remembers, least recently heard from first out."""
 
@@ -104,42 +107,77 @@ class Opened(NamedTuple):
 
 
 class ReplayGuard:
-    """Refuses a notification already taken: per sender, the latest epoch seen and a window of
-    the last `REPLAY_WINDOW` sequence numbers. A later epoch (the sender restarted) starts a new
-    window; an earlier one is refused, as is a number taken before or fallen behind the window.
-    Remembers `MAX_SENDERS` senders (a forgotten one starts afresh). Check only what `open`
-    authenticated, so a forger cannot move the window."""
+    """Refuses a notification already taken, and takes every other one once.
 
-    def __init__(self, limit: int = MAX_SENDERS) -> None:
-        self._seen: OrderedDict[str, tuple[int, int, int]] = OrderedDict()  # epoch, top, bits
+    Per sender it keeps the latest epoch and the highest number taken in it (`top`); numbers
+    below `top` not yet heard are *gaps*, waited for until taken, until `gap_ttl_s` after they
+    opened, or until `max_gaps` newer gaps (over all senders) push them out. A number is taken
+    only if it is above `top` or an open gap, so a replay is refused however late it comes; a
+    legitimate notification is refused only if it trails a later one from its sender by more
+    than the TTL or the gap bound. A later epoch (the sender restarted) starts at 0, an earlier
+    one is refused. Remembers `limit` senders (a forgotten one starts afresh). Check only what
+    `SharedSecret.open` authenticated, so a forger cannot open gaps."""
+
+    def __init__(
+        self, limit: int = MAX_SENDERS, max_gaps: int = MAX_GAPS, gap_ttl_s: float = GAP_TTL_S
+    ) -> None:
+        if limit < 1 or max_gaps < 1 or not gap_ttl_s > 0:
+            raise ValueError("a ReplayGuard needs limit >= 1, max_gaps >= 1 and gap_ttl_s > 0")
+        self._senders: OrderedDict[str, tuple[int, int]] = OrderedDict()  # epoch, top
+        # (sender, epoch, number) -> when it stops being waited for; oldest first, since every
+        # gap waits the same time and the clock only moves forward.
+        self._gaps: OrderedDict[tuple[str, int, int], float] = OrderedDict()
         self._limit = limit
+        self._max_gaps = max_gaps
+        self._ttl = gap_ttl_s
 
-    def check(self, sender: str, epoch: int, seq: int) -> str | None:
-        """None if (`epoch`, `seq`) from `sender` is new (and now taken), else why not."""
-        known = self._seen.get(sender)
+    @property
+    def gaps(self) -> int:
+        """Numbers waited for now (memory: at most `max_gaps`)."""
+        return len(self._gaps)
+
+    @property
+    def senders(self) -> int:
+        """Senders remembered now (at most `limit`)."""
+        return len(self._senders)
+
+    def check(self, sender: str, epoch: int, seq: int, now: float = 0.0) -> str | None:
+        """None if (`epoch`, `seq`) from `sender` is new (and now taken), else why not. `now`:
+        the receiver's monotonic clock, in seconds."""
+        self._expire(now)
+        known = self._senders.get(sender)
         if known is None or epoch > known[0]:
-            state = (epoch, seq, 1)
+            known = (epoch, 0)
         elif epoch < known[0]:
             return f"from an earlier incarnation of {sender!r}"
-        else:
-            _, top, bits = known
-            if seq > top:
-                shift = seq - top
-                state = (epoch, seq, ((bits << shift) | 1) & _WINDOW_MASK if shift < 64 else 1)
-            elif top - seq >= REPLAY_WINDOW:
-                return f"number {seq} from {sender!r} fell behind the window"
-            elif bits >> (top - seq) & 1:
-                return f"number {seq} from {sender!r} was taken before (a replay)"
-            else:
-                state = (epoch, top, bits | 1 << (top - seq))
-        self._seen[sender] = state
-        self._seen.move_to_end(sender)
-        if len(self._seen) > self._limit:
-            self._seen.popitem(last=False)
+        top = known[1]
+        if seq <= 0:
+            return f"number {seq} from {sender!r} is never sent"
+        if seq > top:
+            self._open_gaps(sender, epoch, max(top + 1, seq - self._max_gaps), seq, now)
+            top = seq
+        elif self._gaps.pop((sender, epoch, seq), None) is None:
+            return f"number {seq} from {sender!r} was taken before, or waited for too long"
+        self._senders[sender] = (epoch, top)
+        self._senders.move_to_end(sender)
+        if len(self._senders) > self._limit:
+            self._senders.popitem(last=False)
         return None
 
+    def _open_gaps(self, sender: str, epoch: int, first: int, stop: int, now: float) -> None:
+        until = now + self._ttl
+        for number in range(first, stop):
+            self._gaps[(sender, epoch, number)] = until
+        for _ in range(len(self._gaps) - self._max_gaps):
+            self._gaps.popitem(last=False)
 
-_WINDOW_MASK = (1 << REPLAY_WINDOW) - 1
+    def _expire(self, now: float) -> None:
+        gaps = self._gaps
+        while gaps:
+            key = next(iter(gaps))
+            if gaps[key] > now:
+                return
+            del gaps[key]
 
 
 def is_sealed(data: bytes) -> bool:

@@ -159,7 +159,7 @@ def test_a_sealed_notification_opens_only_untouched(
 
 @given(
     st.lists(
-        st.tuples(st.sampled_from(["D#0", "D#1"]), st.integers(0, 3), st.integers(0, 150)),
+        st.tuples(st.sampled_from(["D#0", "D#1"]), st.integers(0, 3), st.integers(1, 150)),
         max_size=300,
     )
 )

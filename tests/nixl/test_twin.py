@@ -9,14 +9,19 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvfsm.testing.twin import TwinMachine, twin_for
+from kvfsm.wire import SharedSecret
+
+# Half the machines run as a deployment beyond one host should: a shared secret on the side
+# channel and on every notification, on both fabrics.
+_SECRET = SharedSecret(b"twin-programs-shared-secret")
 
 MACHINES = (
     twin_for("push"),
     twin_for("pull"),
-    twin_for("push", 1, 2),
-    twin_for("pull", 2, 1),
+    twin_for("push", 1, 2, secret=_SECRET),
+    twin_for("pull", 2, 1, secret=_SECRET),
     twin_for("push", 2, 1, d_block_size=8),
-    twin_for("pull", 1, 2, d_block_size=8),
+    twin_for("pull", 1, 2, d_block_size=8, secret=_SECRET),
 )
 
 

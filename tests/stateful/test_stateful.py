@@ -10,6 +10,7 @@ from kvfsm.core import Mode
 from kvfsm.fabric import SimFaults
 from kvfsm.testing import SMALL_MLA_GEOMETRY, run_tour, untaken_transitions
 from kvfsm.testing.stateful import LifecycleMachine, machine_for
+from kvfsm.wire import SharedSecret
 
 # Transfers that stay in flight a while, so aborts, cancels and deaths land mid-transfer.
 _SLOW = SimFaults(transfer_latency=0.25)
@@ -20,6 +21,9 @@ _NOISY = SimFaults(
     delay_notif=0.05,
     reorder_notif=0.05,
 )
+# A deployment's shared secret: the noisy fabrics below reorder, delay and duplicate sealed
+# notifications, and only the duplicates may be refused as replays.
+_SECRET = SharedSecret(b"stateful-programs-shared-secret")
 # UCX over TCP: bytes of a transfer released in progress still land, up to 0.6 s later.
 _TCP = SimFaults(transfer_latency=0.25, late_delivery=0.6)
 
@@ -29,15 +33,15 @@ MACHINES = (
     # P's host clock days ahead of D's (push), D's ahead of P's (pull): deadlines cross hosts.
     machine_for("push", faults=_SLOW, clock_skew={"P": 3e5}),
     machine_for("pull", faults=_SLOW, clock_skew={"D": 3e5}),
-    machine_for("push", 1, 2, _NOISY),
-    machine_for("pull", 2, 1, _NOISY),
+    machine_for("push", 1, 2, _NOISY, secret=_SECRET),
+    machine_for("pull", 2, 1, _NOISY, secret=_SECRET),
     machine_for("push", 2, 1, _SLOW),
     machine_for("pull", 1, 2, _SLOW),
     # Replicated (MLA) KV: one P rank moves the bytes, the other only notifies.
     machine_for("push", 2, 1, _SLOW, geometry=SMALL_MLA_GEOMETRY),
     machine_for("pull", 2, 1, _NOISY, geometry=SMALL_MLA_GEOMETRY),
     # D's blocks hold 2 or 4 of P's: prefix-cache hits align across block sizes.
-    machine_for("push", 1, 2, _NOISY, d_block_size=8),
+    machine_for("push", 1, 2, _NOISY, d_block_size=8, secret=_SECRET),
     machine_for("pull", 1, 1, _SLOW, d_block_size=16),
     machine_for("push", 1, 1, _TCP),
     machine_for("pull", 1, 2, _TCP),

@@ -11,7 +11,6 @@ from kvfsm.core import Mode
 from kvfsm.runtime import Guests
 from kvfsm.testing import Cluster
 from kvfsm.wire import AuthError, Registration, ReplayGuard, SharedSecret, encode, pack_blocks
-from kvfsm.wire._auth import REPLAY_WINDOW
 
 MODES: tuple[Mode, ...] = ("push", "pull")
 SECRET = SharedSecret(b"0123456789abcdef-kvfsm-tests")
@@ -129,10 +128,25 @@ def test_a_replayed_notification_is_refused_and_counted(mode: Mode) -> None:
 def test_the_replay_guard_takes_each_number_once_and_follows_restarts() -> None:
     guard = ReplayGuard(limit=2)
     assert [guard.check("D#0", 5, n) for n in (1, 3, 2)] == [None] * 3  # reordered: taken
-    assert "a replay" in str(guard.check("D#0", 5, 2))
-    assert guard.check("D#0", 5, 3 + REPLAY_WINDOW) is None
-    assert "behind the window" in str(guard.check("D#0", 5, 3))  # too old to tell: refused
+    assert "taken before" in str(guard.check("D#0", 5, 2))
+    assert guard.check("D#0", 5, 1000) is None
+    assert guard.check("D#0", 5, 4) is None  # 996 numbers behind the newest: still taken once
+    assert "taken before" in str(guard.check("D#0", 5, 4))
+    assert "never sent" in str(guard.check("D#0", 5, 0))
     assert guard.check("D#0", 6, 1) is None  # a restarted sender: a later epoch starts afresh
     assert "earlier incarnation" in str(guard.check("D#0", 5, 99))
     assert guard.check("D#1", 1, 1) is None and guard.check("D#2", 1, 1) is None
-    assert guard.check("D#0", 5, 1) is None  # D#0 was forgotten (bounded): it starts afresh
+    assert guard.check("D#0", 6, 1) is None  # D#0 was forgotten (bounded): it starts afresh
+
+
+def test_the_replay_guard_waits_for_a_number_until_its_ttl_or_its_bound() -> None:
+    """A gap is waited for `gap_ttl_s` after a later number opened it, and the oldest gaps go
+    first past `max_gaps`: memory stays bounded, and what went is refused, never taken twice."""
+    guard = ReplayGuard(max_gaps=4, gap_ttl_s=10.0)
+    assert guard.check("P#0", 1, 3, now=0.0) is None and guard.gaps == 2  # 1 and 2 awaited
+    assert guard.check("P#0", 1, 1, now=9.9) is None  # within the TTL: taken
+    assert "waited for too long" in str(guard.check("P#0", 1, 2, now=10.0))
+    assert guard.gaps == 0
+    assert guard.check("P#0", 1, 10, now=11.0) is None and guard.gaps == 4  # 6..9: 4 to 9 cut
+    assert [guard.check("P#0", 1, n, now=11.0) is None for n in (5, 6, 9)] == [False, True, True]
+    assert guard.gaps == 2
