@@ -83,6 +83,34 @@ def test_json_output_stays_json_when_ucx_warns() -> None:
     assert json.loads(result.stdout)["done"] == 2
 
 
+# The README's examples under load, as a user runs them: the demo always runs with a shared
+# secret, so every notification is sealed and guarded against replays (docs/security.md).
+_LOADS = [
+    ["--p-tp", "2", "--d-tp", "4", "--model", "tiny", "--requests", "256"],
+    ["--model", "tiny", "--requests", "256"],
+    ["--mode", "pull", "--p-tp", "2", "--d-tp", "4", "--model", "tiny", "--requests", "256"],
+    ["--p-tp", "2", "--d-tp", "4", "--requests", "200"],
+    ["--mode", "pull", "--requests", "200"],
+]
+
+
+@pytest.mark.parametrize("args", _LOADS, ids=" ".join)
+def test_readme_examples_under_load_end_every_request_done(args: list[str]) -> None:
+    exe = Path(sys.executable).parent / "kvfsm"
+    result = subprocess.run(
+        [str(exe), "demo", *args, "--json"], capture_output=True, text=True, check=False,
+        timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    requests = int(args[args.index("--requests") + 1])
+    assert report["done"] == requests and report["verified"] is True
+    assert report["finals"] == {
+        "P:done": requests * report["p_tp"], "D:done": requests * report["d_tp"]
+    }  # fmt: skip
+    assert report["counters"].get("replayed", 0) == 0 and report["why_not_done"] == []
+
+
 def test_a_corrupted_byte_is_caught_and_fails_the_run() -> None:
     # The negative control: every transfer succeeds, but one request's KV has one wrong byte.
     # Pull here; the command line's test below runs it in push.
@@ -102,6 +130,10 @@ def test_cli_exits_1_when_bytes_differ() -> None:
     report = json.loads(result.stdout)
     assert report["mode"] == "push" and report["verified"] is False and report["done"] == 4
     assert report["violations"] == ["2 bytes differ from what P wrote"]
+    assert "kvfsm demo: not every byte was verified equal" in result.stderr
+    assert report["why_not_done"] == [
+        "not every byte was verified equal", "1 safety violation(s)"
+    ]  # fmt: skip
 
 
 def test_cli_refuses_a_tp_size_that_does_not_split_the_heads() -> None:

@@ -87,3 +87,20 @@ def test_console_script_runs() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["done"] == 5
+
+
+def test_demo_fails_when_any_rank_of_either_side_did_not_end_done() -> None:
+    """Every D rank done is not enough: P ranks whose requests failed fail the run, and the
+    report says why, with the counters behind it."""
+    from kvfsm.cli.demo._report import DemoReport, why_not_done
+
+    report = DemoReport(
+        mode="pull", fabric="nixl", requests=4, done=4, failed=0, expired=0, aborted=0,
+        bytes=1, verified=True, violations=[], p_tp=1, d_tp=1,
+        finals={"P:done": 3, "P:failed": 1, "D:done": 4}, time_in_state_ms={},
+        counters={"bytes": 1, "posted": 4, "stall_timeout": 1}, simulated_s=0.0, cpu_s=0.0,
+    )  # fmt: skip
+    assert not report.ok
+    assert why_not_done(report) == ["1 request(s) ended failed on P", "counters: stall_timeout 1"]
+    report.finals = {"P:done": 4, "D:done": 4}
+    assert report.ok and why_not_done(report) == []

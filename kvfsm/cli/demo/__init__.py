@@ -14,7 +14,7 @@ from kvfsm.cli._parsing import Commands
 from kvfsm.cli._presets import MODELS
 from kvfsm.cli._render import demo_table, progress_bar
 from kvfsm.cli.demo._nixl import run_nixl_demo
-from kvfsm.cli.demo._report import DemoReport
+from kvfsm.cli.demo._report import DemoReport, why_not_done
 from kvfsm.cli.demo._sim import run_sim_demo
 
 __all__ = ["DemoReport", "add_command", "run_nixl_demo", "run_sim_demo"]
@@ -81,8 +81,11 @@ def _execute(args: argparse.Namespace) -> int:
     except (RuntimeError, TimeoutError) as exc:  # a rank failed (its own error is above)
         print(f"kvfsm demo: {exc}", file=sys.stderr)
         return 1
+    report.why_not_done = why_not_done(report)
     if args.json:
         print(json.dumps(msgspec.to_builtins(report), sort_keys=True))
     else:
         demo_table(report)
+    for line in report.why_not_done:
+        print(f"kvfsm demo: {line}", file=sys.stderr)
     return 0 if report.ok else 1

@@ -8,7 +8,10 @@ import msgspec
 
 from kvfsm.runtime import time_in_state as request_time_in_state
 
-__all__ = ["DemoReport", "time_in_state", "worst_state"]
+__all__ = ["DemoReport", "time_in_state", "why_not_done", "worst_state"]
+
+# Counters of volume, not of trouble: left out of the reasons a run did not end `done`.
+_VOLUME = frozenset({"bytes", "descriptors", "posted"})
 
 
 class DemoReport(msgspec.Struct, kw_only=True):
@@ -42,11 +45,41 @@ class DemoReport(msgspec.Struct, kw_only=True):
     """Descriptor rows kvfsm posted, over every rank."""
     fabric_descriptors: int = 0
     """Rows NIXL moved after merging those adjacent on both sides (its telemetry)."""
+    why_not_done: list[str] = msgspec.field(default_factory=list)
+    """Why the run failed, in lines a person reads (`why_not_done`); empty when it passed."""
 
     @property
     def ok(self) -> bool:
-        """Every request done, every byte verified, no property broken."""
-        return self.verified and not self.violations and self.done == self.requests
+        """Every request done on every rank of both sides, every byte verified, no property
+        broken."""
+        return (
+            self.verified
+            and not self.violations
+            and self.done == self.requests
+            and all(key.endswith(":done") for key in self.finals)
+        )
+
+
+def why_not_done(report: DemoReport) -> list[str]:
+    """Why `report` is not `ok`: the requests that did not end `done` on each side, the bytes
+    not verified, and the engines' counters behind it (the volume ones left out)."""
+    if report.ok:
+        return []
+    lines = [
+        f"{count} request(s) ended {key.split(':')[1]} on {key.split(':')[0]}"
+        for key, count in sorted(report.finals.items())
+        if not key.endswith(":done")
+    ]
+    if report.done < report.requests:
+        lines.append(f"{report.requests - report.done} of {report.requests} requests not done")
+    if not report.verified:
+        lines.append("not every byte was verified equal")
+    if report.violations:
+        lines.append(f"{len(report.violations)} safety violation(s)")
+    trouble = {k: v for k, v in sorted(report.counters.items()) if k not in _VOLUME and v}
+    if trouble:
+        lines.append("counters: " + ", ".join(f"{k} {v}" for k, v in trouble.items()))
+    return lines
 
 
 def worst_state(states: set[str]) -> str:
