@@ -28,6 +28,13 @@ _MAX_BODY = 16 << 20  # a completion request bigger than this is refused
 _TIMEOUT_S = 600.0
 
 
+class _Server(ThreadingHTTPServer):
+    # The standard library's backlog of 5 resets connections beyond it: a burst of concurrent
+    # clients (64 in tests/vllm) must queue, as they do at vLLM's own server.
+    request_queue_size = 1024
+    daemon_threads = True
+
+
 class Proxy:
     """Serves ``POST /v1/completions`` (and ``GET /health``) on `port`, prefilling on one of
     `prefill` and decoding on one of `decode` ("host:port" each)."""
@@ -38,7 +45,7 @@ class Proxy:
         self._p, self._d = itertools.cycle(prefill), itertools.cycle(decode)
         self._counts = len(prefill), len(decode)
         self._lock = threading.Lock()
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
+        self.server = _Server(("127.0.0.1", port), _handler(self))
         self.port = self.server.server_address[1]
 
     def complete(self, request: dict[str, Any]) -> tuple[int, bytes, str]:

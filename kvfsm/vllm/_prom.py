@@ -38,6 +38,10 @@ class KvfsmPromMetrics(KVConnectorPromMetrics):
                     "internal_errors",
                     "Bugs kvfsm contained: each logged, the requests it hit failed safely.",
                 ),
+                (
+                    "refused_notifications",
+                    "Notifications refused: replays, unauthenticated, or from strangers.",
+                ),
             )
         }
         self._seconds = counter(

@@ -10,7 +10,10 @@ from kvfsm.runtime import RequestTrace
 
 __all__ = ["StatsWindow", "merge", "reduce"]
 
-_COUNTS = ("transfers", "failed_transfers", "bytes", "descriptors", "internal_errors")
+_COUNTS = (
+    "transfers", "failed_transfers", "bytes", "descriptors", "internal_errors",
+    "refused_notifications",
+)  # fmt: skip
 
 
 class StatsWindow:
@@ -25,7 +28,7 @@ class StatsWindow:
     @property
     def empty(self) -> bool:
         """Nothing ended and nothing went wrong in this window."""
-        return not self.ended and not self.counts
+        return not self.ended and not +self.counts
 
     def add(self, trace: RequestTrace) -> None:
         """Count one finished request."""

@@ -46,6 +46,8 @@ from kvfsm.wire import WIRE_VERSION
 
 __all__ = ["WorkerSide"]
 _log = logging.getLogger("vllm.kvfsm")  # under vLLM's logging configuration
+# The engine's counters of notifications it dropped unheard (docs/security.md).
+_REFUSALS = ("replayed", "unauthenticated", "stranger")
 
 
 class WorkerSide:
@@ -67,6 +69,7 @@ class WorkerSide:
         self._fabric: NixlFabric | None = None
         self._lock = threading.Lock()
         self._awaited: set[str] = set()  # guarded by _lock
+        self._refused_reported = 0  # refused notifications already in a stats window
         self._sending: set[str] = set()  # guarded by _lock
         self._recving: set[str] = set()  # guarded by _lock
         self._invalid: set[int] = set()  # guarded by _lock
@@ -169,8 +172,13 @@ class WorkerSide:
 
     def stats(self) -> dict[str, Any] | None:
         """Stats since the last call, or None if nothing happened."""
+        refused = 0
+        if self.engine is not None:  # read across threads: single dict lookups, no iteration
+            refused = sum(self.engine.counters[name] for name in _REFUSALS)
         with self._lock:
             window, self._stats = self._stats, StatsWindow()
+            window.counts["refused_notifications"] += refused - self._refused_reported
+            self._refused_reported = refused
         return None if window.empty else window.data()
 
     # --- from the loop thread --------------------------------------------------------------------

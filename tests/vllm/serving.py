@@ -41,11 +41,13 @@ class Deployment:
 @contextmanager
 def deployment(
     model: Path, mode: str, logs: Path, *, prefill: int = 1, decode: int = 1,
-    d_connector: dict[str, Any] | None = None, flags: Sequence[str] = (),
+    d_connector: dict[str, Any] | None = None, flags: Sequence[str] = (), secret: str = "",
 ) -> Iterator[Deployment]:  # fmt: skip
     """`prefill` P and `decode` D engines serving `model` in `mode` (`vllm serve` with `flags`
     too), and a proxy; all stopped at the end. `d_connector` overrides D's connector
-    (`connector`, `module` keys)."""
+    (`connector`, `module` keys). `secret`: the deployment's shared secret, set as
+    `KVFSM_SHARED_SECRET` in every engine's environment (none if empty)."""
+    env = _ENV | ({"KVFSM_SHARED_SECRET": secret} if secret else {})
     with ExitStack() as stack:
         engines: dict[str, list[Served]] = {"p": [], "d": []}
         for side, count, role in (("p", prefill, "kv_producer"), ("d", decode, "kv_consumer")):
@@ -53,7 +55,7 @@ def deployment(
                 extra = (d_connector or {}) if side == "d" else {}
                 config = kvfsm_transfer_config(role, mode, free_port(), **extra)
                 log = logs / f"{side}{i}.log"
-                served = Served(model, free_port(), log, config, flags=flags, env=_ENV)
+                served = Served(model, free_port(), log, config, flags=flags, env=env)
                 stack.callback(served.close)
                 engines[side].append(served)
         until = time.monotonic() + START_S
@@ -75,15 +77,16 @@ def tokens(address: str, prompt: list[int], max_tokens: int = 8) -> list[int]:
     return ids
 
 
-def served_in_both_modes(flags: Sequence[str] = ()) -> Any:
-    """A module fixture `served`: a deployment of the module's `model` fixture, push then pull."""
+def served_in_both_modes(flags: Sequence[str] = (), secret: str = "") -> Any:
+    """A module fixture `served`: a deployment of the module's `model` fixture, push then pull
+    (with the shared `secret`, if not empty)."""
 
     @pytest.fixture(scope="module", params=["push", "pull"])
     def served(
         request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory
     ) -> Iterator[Deployment]:
         logs = tmp_path_factory.mktemp(request.param)
-        with deployment(model, request.param, logs, flags=flags) as d:
+        with deployment(model, request.param, logs, flags=flags, secret=secret) as d:
             yield d
 
     return served

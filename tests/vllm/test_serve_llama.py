@@ -6,10 +6,13 @@ sliding-window Llama (test_serve_sliding_window.py) runs the same recipe, and th
 test (test_serve_xpyd.py) this model, for the suite's time.
 
 D's tokens through the proxy must equal P's own greedy tokens, D must count every prompt token
-as received over the connector, and a D that claims loads it never made must be caught."""
+as received over the connector, and a D that claims loads it never made must be caught. The
+engines share a secret (`KVFSM_SHARED_SECRET`) and serve 64 concurrent requests, none lost to the
+replay guard."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -18,8 +21,10 @@ from serving import (
     assert_a_skipping_d_is_caught,
     assert_d_serves_p_tokens,
     served_in_both_modes,
+    tokens,
 )
 
+from kvfsm.harness.serve import Served, ServeError
 from kvfsm.harness.vllm_pd import make_tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -32,11 +37,32 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("model") / "llama")
 
 
-served = served_in_both_modes()
+served = served_in_both_modes(secret="llama-tests-shared-secret-value")
+CONCURRENT = 64
+LOAD = [[(13 * i + 3 * j) % 1000 + 1 for j in range(40 + 5 * i)] for i in range(CONCURRENT)]
 
 
 def test_d_serves_p_tokens(served: Deployment) -> None:
     assert_d_serves_p_tokens(served, PROMPTS)
+
+
+def _refused(engine: Served) -> float:
+    try:
+        return engine.metric("vllm:kvfsm_refused_notifications_total")
+    except ServeError:  # never incremented: not exported
+        return 0.0
+
+
+def test_64_concurrent_requests_with_the_secret_all_move_their_kv(served: Deployment) -> None:
+    (p,), (d,) = served.prefill, served.decode
+    with ThreadPoolExecutor(CONCURRENT) as pool:
+        expected = list(pool.map(lambda x: tokens(p.address, x), LOAD))
+        before = d.prompt_tokens_by_source().get("external_kv_transfer", 0.0)
+        got = list(pool.map(lambda x: tokens(served.address, x), LOAD))
+    assert got == expected
+    received = d.prompt_tokens_by_source()["external_kv_transfer"] - before
+    assert received == sum(len(x) for x in LOAD)  # every request's KV moved, none recomputed
+    assert _refused(p) == _refused(d) == 0
 
 
 def test_a_d_that_moves_nothing_is_caught(model: Path, tmp_path: Path) -> None:

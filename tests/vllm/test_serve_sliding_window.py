@@ -4,7 +4,8 @@ group's blocks that fall out of the window. Prompts reach 200 tokens (7 blocks o
 moves the full group's every block and the sliding group's last 3.
 
 D's tokens through the proxy must equal P's own greedy tokens, and D must count every prompt
-token as received over the connector."""
+token as received over the connector. The engines share a secret (`KVFSM_SHARED_SECRET`), as a
+deployment beyond one host should."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("model") / "sw", sliding_window=64)
 
 
-served = served_in_both_modes()
+served = served_in_both_modes(secret="sliding-window-tests-shared-secret")
 
 
 def test_d_serves_p_tokens(served: Deployment) -> None:
