@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kvfsm.core import Identity
 from kvfsm.sidechannel import HandshakePayload
-from kvfsm.vllm._geometry import geometry_of, page_geometry_of
+from kvfsm.vllm._geometry import REQUIRED_LAYOUT, geometry_of, page_geometry_of
 from kvfsm.vllm._groups import KvGroups
 from kvfsm.vllm._params import contact_of
 from kvfsm.vllm._prom import KvfsmPromMetrics
@@ -106,6 +106,14 @@ class KvfsmConnector(KVConnectorBase_V1, SupportsHMA):
                 fail_by_request=self.groups.count > 1,
             )  # fmt: skip
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """The KV cache layout kvfsm moves, asked of vLLM: LBHNC for every model (with MLA
+        the layer-outermost layouts hold the same bytes). vLLM drops the request, with a
+        warning, where the attention backend admits no LBHNC; `register_kv_caches` then
+        refuses the layout it got, naming it and the fix (docs/vllm.md)."""
+        return REQUIRED_LAYOUT
+
     # --- worker ----------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -124,6 +132,7 @@ class KvfsmConnector(KVConnectorBase_V1, SupportsHMA):
             num_kv_heads=config.model_config.get_total_num_kv_heads(),
             tp_size=self._tp_size,
             tp_rank=worker.identity.rank,
+            mla=bool(getattr(config.model_config, "use_mla", False)),
         )
         worker.start(geometry, buffers)
 

@@ -1,16 +1,20 @@
 """The KV geometry of a vLLM worker, read off the KV cache tensors it registers.
 
-vLLM hands the connector one tensor per attention layer. kvfsm reads their shapes instead of
-assuming one backend's:
+vLLM 0.32 hands the connector one tensor per attention layer, logically `[B, H, N, C]`
+(blocks, heads, tokens, content), its strides following the engine's `KVCacheLayout`
+(`vllm/v1/kv_cache_layout.py`). kvfsm reads the layout from the strides instead of assuming
+one backend's:
 
-* CPU (layout "LBHNC"): `(num_blocks, heads, block_size, 2 * head_dim)`, each token's K and V
-  side by side per head: kvfsm's "HNC" page layout, one region per layer.
-* FlashAttention-style `(2, num_blocks, block_size, heads, head_dim)`: K and V in two halves of
-  the layer's tensor, tokens first: split K/V regions, "NHD".
-* MLA `(num_blocks, block_size, latent_dim)`: one latent region per layer, replicated on every
-  TP rank.
+* LBHNC (the layout the connector asks vLLM for, `REQUIRED_LAYOUT`): each layer one contiguous
+  region, each block its heads one after the other, each token's K and V side by side: kvfsm's
+  "HNC" page layout, one region per layer. A run of heads is contiguous, so TP sizes may differ.
+* MLA (recognised by the model, not the tensor's rank): `[B, 1, N, latent]`, one latent region
+  per layer, replicated on every TP rank; any layout that keeps a layer contiguous.
+* The legacy split `(2, num_blocks, block_size, heads, head_dim)`: K and V in two halves of the
+  layer's tensor, tokens first: split K/V regions, "NHD".
 
-Anything else is refused at start-up with the shape that was found.
+Any other layout is refused at start-up in one line that names it and the setting that fixes
+it (`VLLM_KV_CACHE_LAYOUT=LBHNC`); so is a kernel-block split of the scheduler's blocks.
 
 With several KV cache groups (sliding window beside full attention), vLLM overlays one layer of
 each group on the same tensor (a block id belongs to one group at a time): such aliases are one
@@ -31,7 +35,11 @@ from typing import Any
 
 from kvfsm.layout import KvGeometry
 
-__all__ = ["LayoutError", "geometry_of", "page_geometry_of"]
+__all__ = ["REQUIRED_LAYOUT", "LayoutError", "geometry_of", "layout_of", "page_geometry_of"]
+
+REQUIRED_LAYOUT = "LBHNC"
+"""The KV cache layout the connector asks vLLM for: a head slice is one run per block, so it
+moves across TP sizes, and the layout vLLM's CPU backend and its NixlConnector use."""
 
 
 class LayoutError(ValueError):
@@ -43,6 +51,23 @@ def _natural(name: str) -> list[Any]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
+def layout_of(view: Any) -> str:
+    """The name of vLLM's `KVCacheLayout` a per-layer `[B, H, N, C]` view is laid out in, read
+    off its strides. Layouts that put the same bytes in the same places (one layer, or one
+    head) are named by the first of them."""
+    b, h, n, c = view.shape
+    sb, sh, sn, _ = view.stride()
+    page = h * n * c
+    heads_outer = sh > sn
+    if sb == page:
+        return "LBHNC" if heads_outer or h == 1 else "LBNHC"
+    if sb == n * c and sh == b * n * c:
+        return "LHBNC"
+    if not heads_outer and h > 1:
+        return "BLNHC"
+    return "BLHNC" if sh == n * c else "BHLNC"
+
+
 def geometry_of(
     kv_caches: Mapping[str, Any],
     *,
@@ -50,11 +75,13 @@ def geometry_of(
     num_kv_heads: int,
     tp_size: int,
     tp_rank: int,
+    mla: bool = False,
 ) -> tuple[KvGeometry, list[Any]]:
     """This rank's geometry and its region buffers (layer-major) from vLLM's per-layer tensors.
 
     `num_kv_heads` is the model's total; `block_size` the scheduler's (a backend splitting
-    blocks into smaller kernel blocks is refused: block ids would not mean the same thing).
+    blocks into smaller kernel blocks is refused: block ids would not mean the same thing);
+    `mla`: the model keeps one latent KV per token (vLLM's `model_config.use_mla`).
     """
     if not kv_caches:
         raise LayoutError("no KV cache tensors were registered")
@@ -65,7 +92,15 @@ def geometry_of(
     shape = shapes.pop()
     common = {"num_layers": len(tensors), "dtype_bytes": tensors[0].element_size()}
     common |= {"tp_size": tp_size, "tp_rank": tp_rank}
-    if len(shape) == 4 and shape[3] % 2 == 0:  # CPU LBHNC
+    fields: dict[str, Any]
+    if mla:
+        num_blocks, tokens, latent = _latent_shape(shape)
+        fields = {"num_blocks": num_blocks, "block_size": tokens, "head_dim": latent}
+        fields |= {"num_kv_heads": 1, "mla": True}
+        num_kv_heads = 1
+        buffers = [_dense_layer(t) for t in tensors]
+    elif len(shape) == 4:  # [B, H, N, C] in LBHNC: kvfsm's HNC pages
+        _require_layout(tensors[0])
         num_blocks, heads, tokens, width = shape
         fields = {"num_blocks": num_blocks, "block_size": tokens, "head_dim": width // 2}
         fields |= {"num_kv_heads": heads * tp_size, "kv_layout": "HNC"}
@@ -75,18 +110,13 @@ def geometry_of(
         fields = {"num_blocks": num_blocks, "block_size": tokens, "head_dim": head_dim}
         fields |= {"num_kv_heads": heads * tp_size, "kv_layout": "NHD", "split_kv": True}
         buffers = [half for t in tensors for half in (t[0], t[1])]
-    elif len(shape) == 3:  # MLA latent
-        num_blocks, tokens, latent = shape
-        fields = {"num_blocks": num_blocks, "block_size": tokens, "head_dim": latent}
-        fields |= {"num_kv_heads": 1, "mla": True}
-        num_kv_heads = 1
-        buffers = tensors
     else:
         raise LayoutError(f"KV cache tensors of shape {shape} are not a layout kvfsm knows")
     if fields["block_size"] != block_size:
         raise LayoutError(
-            f"the KV tensors hold {fields['block_size']}-token blocks, the scheduler"
-            f" {block_size}-token ones; set a block size the attention backend uses as is"
+            f"the attention backend splits the scheduler's {block_size}-token blocks into"
+            f" {fields['block_size']}-token kernel blocks, which kvfsm does not move: start vLLM"
+            f" with --block-size {fields['block_size']}"
         )
     if fields["num_kv_heads"] != num_kv_heads:
         raise LayoutError(
@@ -95,6 +125,43 @@ def geometry_of(
         )
     _check_buffers(names, buffers)
     return KvGeometry(**common, **fields), buffers
+
+
+def _require_layout(view: Any) -> None:
+    """Refuse, naming it and the fix, a layout other than the one the connector asks for."""
+    if view.is_contiguous():
+        return
+    name = layout_of(view)
+    raise LayoutError(
+        f"vLLM laid the KV cache out as {name}; kvfsm moves {REQUIRED_LAYOUT}, which it asks"
+        f" vLLM for: the attention backend admits no {REQUIRED_LAYOUT}, or VLLM_KV_CACHE_LAYOUT"
+        f" chose another. Set VLLM_KV_CACHE_LAYOUT={REQUIRED_LAYOUT} (or leave it unset), or"
+        f" choose an attention backend that admits {REQUIRED_LAYOUT}"
+        " (docs/vllm.md lists them)"
+    )
+
+
+def _latent_shape(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """(blocks, tokens, latent width) of an MLA layer: `[B, 1, N, latent]` (vLLM 0.32) or
+    `[B, N, latent]` (earlier)."""
+    if len(shape) == 4 and shape[1] == 1:
+        return shape[0], shape[2], shape[3]
+    if len(shape) == 3:
+        return shape[0], shape[1], shape[2]
+    raise LayoutError(f"an MLA layer's KV tensor of shape {shape} is not [B, 1, N, latent]")
+
+
+def _dense_layer(view: Any) -> Any:
+    """An MLA layer's view, which is contiguous in any layer-outermost layout (its one head
+    makes LBHNC, LBNHC and LHBNC the same bytes); refused otherwise."""
+    if view.is_contiguous():
+        return view
+    name = layout_of(view) if view.dim() == 4 else "an unknown layout"
+    raise LayoutError(
+        f"vLLM laid the MLA KV cache out as {name}, block-outermost: kvfsm moves a"
+        f" layer-outermost layout; set VLLM_KV_CACHE_LAYOUT={REQUIRED_LAYOUT}, or choose an"
+        " attention backend that admits it (docs/vllm.md lists them)"
+    )
 
 
 def page_geometry_of(

@@ -103,8 +103,9 @@ def test_split_kv_and_mla_layouts() -> None:
     )
     assert (g.kv_layout, g.split_kv, len(buffers)) == ("NHD", True, 2)
     g, _ = geometry_of(
-        {"l0": torch.zeros(4, 16, 576)}, block_size=16, num_kv_heads=1, tp_size=2, tp_rank=0
-    )
+        {"l0": torch.zeros(4, 16, 576)}, block_size=16, num_kv_heads=1, tp_size=2, tp_rank=0,
+        mla=True,
+    )  # fmt: skip
     assert g.mla and g.head_dim == 576
 
 
@@ -113,10 +114,10 @@ def test_split_kv_and_mla_layouts() -> None:
     [
         ({}, "no KV cache tensors"),
         ({"a": torch.zeros(8, 2, 32, 128), "b": torch.zeros(8, 2, 32, 64)}, "differ in shape"),
-        ({"a": torch.zeros(8, 2, 16, 128)}, "16-token blocks"),
+        ({"a": torch.zeros(8, 2, 16, 128)}, "16-token kernel blocks"),
         ({"a": torch.zeros(8, 1, 32, 128)}, "replicated KV heads"),
         ({"a": torch.zeros(8, 2, 32, 2, 64)}, "not a layout"),
-        ({"a": torch.zeros(128, 32, 2, 8).permute(3, 2, 1, 0)}, "contiguous"),
+        ({"a": torch.zeros(128, 32, 2, 8).permute(3, 2, 1, 0)}, "VLLM_KV_CACHE_LAYOUT=LBHNC"),
     ],
 )
 def test_layouts_kvfsm_cannot_move_are_refused(layers: dict[str, torch.Tensor], match: str) -> None:

@@ -1,0 +1,152 @@
+"""vLLM 0.32's GPU KV cache layouts, made on host memory by vLLM's own code
+(`create_kv_cache_views`, what the GPU model runner calls): the connector names each layout from
+the tensors' strides, takes the one it asks vLLM for (LBHNC) and MLA in any layer-outermost
+layout, and refuses the rest at start-up in one line naming the layout and the setting that
+fixes it. vLLM's own `resolve_kv_cache_layout`, given each GPU backend's declared layouts and
+KvfsmConnector's request, resolves to LBHNC wherever the backend admits it."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from vllm.config import KVTransferConfig
+from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheTensor,
+    MLAAttentionSpec,
+    compute_layout_strides,
+    create_kv_cache_views,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from kvfsm.vllm import KvfsmConnector
+from kvfsm.vllm._geometry import REQUIRED_LAYOUT, LayoutError, geometry_of, layout_of
+
+LAYERS, BLOCKS, HEADS, TOKENS, HEAD_DIM = 3, 6, 4, 16, 8
+
+
+def _views(spec: Any, layout: KVCacheLayout, kernel: int | None = None) -> dict[str, Any]:
+    """Per-layer views of one backing buffer, as vLLM's GPU model runner makes them."""
+    layer_stride, block_stride, *_ = compute_layout_strides(
+        spec, BLOCKS, LAYERS, layout, fixed_strides=(None,) * 5
+    )
+    size = spec.page_size_bytes * BLOCKS * LAYERS
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    tensor = KVCacheTensor(
+        size=size, layers=names, layer_stride=layer_stride, block_stride=block_stride
+    )
+    raw = torch.zeros(size, dtype=torch.int8)
+    views = create_kv_cache_views(raw, spec, BLOCKS, layout, tensor, kernel)
+    return dict(zip(names, views, strict=True))
+
+
+def _attention(dtype: torch.dtype = torch.float16) -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=TOKENS, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=dtype)
+
+
+def _mla() -> MLAAttentionSpec:
+    return MLAAttentionSpec(block_size=TOKENS, num_kv_heads=1, head_size=576, dtype=torch.float16)
+
+
+def _geometry(views: dict[str, Any], heads: int = HEADS, mla: bool = False) -> Any:
+    return geometry_of(
+        views, block_size=TOKENS, num_kv_heads=heads * 2, tp_size=2, tp_rank=1, mla=mla
+    )
+
+
+@pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda x: x.name)
+def test_each_layout_is_named_from_the_tensors(layout: KVCacheLayout) -> None:
+    view = next(iter(_views(_attention(), layout).values()))
+    assert layout_of(view) == layout.name
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn], ids=str)
+def test_lbhnc_is_taken_as_heads_first_pages(dtype: torch.dtype) -> None:
+    views = _views(_attention(dtype), KVCacheLayout.LBHNC)
+    g, buffers = _geometry(views)
+    assert (g.kv_layout, g.num_layers, g.num_blocks, g.block_size) == ("HNC", LAYERS, BLOCKS, 16)
+    assert (g.heads_per_rank, g.head_dim, g.dtype_bytes) == (HEADS, HEAD_DIM, dtype.itemsize)
+    assert [b.data_ptr() for b in buffers] == [v.data_ptr() for v in views.values()]
+    assert g.region_bytes == buffers[0].numel() * buffers[0].element_size()
+
+
+@pytest.mark.parametrize(
+    "layout", [x for x in KVCacheLayout if x.name != REQUIRED_LAYOUT], ids=lambda x: x.name
+)
+def test_other_layouts_are_refused_naming_the_layout_and_the_fix(layout: KVCacheLayout) -> None:
+    with pytest.raises(LayoutError, match=f"as {layout.name}; .*VLLM_KV_CACHE_LAYOUT=LBHNC"):
+        _geometry(_views(_attention(), layout))
+
+
+@pytest.mark.parametrize(
+    "layout", [KVCacheLayout.LBHNC, KVCacheLayout.LBNHC, KVCacheLayout.LHBNC], ids=lambda x: x.name
+)
+def test_mla_is_read_by_the_model_in_any_layer_outermost_layout(layout: KVCacheLayout) -> None:
+    """vLLM 0.32 hands an MLA layer over as [B, 1, N, latent]: one latent region per layer,
+    replicated on every TP rank (not one head whose K and V are the latent's halves)."""
+    views = _views(_mla(), layout)
+    assert next(iter(views.values())).shape == (BLOCKS, 1, TOKENS, 576)
+    g, buffers = _geometry(views, heads=1, mla=True)
+    assert g.mla and (g.head_dim, g.heads_per_rank, g.values_per_token) == (576, 1, 1)
+    assert g.block_len == TOKENS * 576 * 2 and len(buffers) == LAYERS
+
+
+@pytest.mark.parametrize(
+    "layout", [x for x in KVCacheLayout if x.is_block_outermost], ids=lambda x: x.name
+)
+def test_mla_block_outermost_is_refused_naming_the_fix(layout: KVCacheLayout) -> None:
+    with pytest.raises(LayoutError, match=r"block-outermost.*VLLM_KV_CACHE_LAYOUT=LBHNC"):
+        _geometry(_views(_mla(), layout), heads=1, mla=True)
+
+
+def test_kernel_blocks_are_refused_naming_the_block_size_that_fixes_it() -> None:
+    views = _views(_attention(), KVCacheLayout.LBHNC, kernel=8)
+    with pytest.raises(LayoutError, match=r"8-token kernel blocks.*--block-size 8"):
+        _geometry(views)
+
+
+# The layouts vLLM 0.32's GPU attention backends declare (`supported_kv_cache_layouts`), most
+# preferred first; None: any (vLLM's default order then applies). REFERENCE section 7.
+_L = KVCacheLayout
+_BACKENDS: dict[str, tuple[KVCacheLayout, ...] | None] = {
+    "FlashAttention": None,
+    "Triton": None,
+    "FlashInfer (before Blackwell)": None,
+    "FlashInfer (Blackwell), b12x": (_L.LBHNC, _L.BLHNC),
+    "ROCm attention": (_L.LHBNC, _L.LBHNC),
+    "flex attention, turboquant": (_L.LBNHC,),
+    "DeepSeek sparse-MLA indexer": (_L.BLHNC, _L.BLNHC),
+}
+
+
+def _resolved(declared: tuple[KVCacheLayout, ...] | None) -> KVCacheLayout:
+    backend = SimpleNamespace(supported_kv_cache_layouts=lambda: declared)
+    supported = [x.name for x in get_supported_kv_cache_layouts([backend])]  # type: ignore[list-item]
+    transfer = KVTransferConfig(
+        kv_connector="KvfsmConnector", kv_connector_module_path="kvfsm.vllm",
+        kv_role="kv_producer",
+    )  # fmt: skip
+    config = SimpleNamespace(
+        cache_config=SimpleNamespace(kv_cache_layout=None), kv_transfer_config=transfer
+    )
+    return resolve_kv_cache_layout(config, [supported])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend", list(_BACKENDS))
+def test_vllm_resolves_the_layout_kvfsm_asks_for_wherever_the_backend_admits_it(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
+    declared = _BACKENDS[backend]
+    layout = _resolved(declared)
+    assert KvfsmConnector.get_required_kvcache_layout(None) == REQUIRED_LAYOUT
+    if declared is None or _L.LBHNC in declared:
+        assert layout is _L.LBHNC
+    else:  # the connector refuses what vLLM made, at start-up, in one line
+        assert layout is declared[0]
+        with pytest.raises(LayoutError, match=f"as {layout.name}; "):
+            _geometry(_views(_attention(), layout))
