@@ -7,8 +7,9 @@ moves exactly what group `b` belongs to holds, and one request's transfer is the
 of its groups' blocks, group by group, each cut to what the receiver needs:
 
 * full attention: every block;
-* sliding window: the last `ceil(window / block_size) + 1` (earlier ones are out of the window,
-  and vLLM has already freed them on P);
+* sliding window: the blocks holding the window of the token after the moved ones, exactly those
+  vLLM's allocator gives D for that many computed tokens (earlier ones are out of the window;
+  vLLM frees them on P and never allocates them on D);
 * Mamba: the one block holding the running state (after the speculative scratch slots), with P
   stopping one token short of the prompt so that D computes the last token from state N-1.
 
@@ -39,10 +40,20 @@ class GroupCut(msgspec.Struct, frozen=True):
     keep: int | None = None
     scratch: int = 0
     detail: str = ""
+    window: int = 0
+    """A sliding window's tokens (0: none)."""
+    block_size: int = 0
+    """Tokens per block of a sliding-window group."""
 
-    def cut(self, blocks: Sequence[int]) -> list[int]:
-        """The blocks of this group that move, in token order."""
+    def cut(self, blocks: Sequence[int], tokens: int | None = None) -> list[int]:
+        """The blocks of this group that move, in token order, when the request has `tokens`
+        computed tokens (None: unknown, the most a window can need)."""
         ids = list(blocks)
+        if self.window and tokens is not None:
+            # vLLM's SlidingWindowManager skips the tokens before the next token's window.
+            skipped = max(0, tokens - self.window + 1) // self.block_size
+            keep = max(0, -(-tokens // self.block_size) - skipped)
+            return ids[-keep:] if keep else []
         if self.kind == "mamba":
             if not ids:
                 return ids
@@ -90,7 +101,12 @@ class KvGroups(msgspec.Struct, frozen=True):
                 cuts.append(GroupCut("full"))
             elif kind is SlidingWindowSpec:
                 keep = -(-spec.sliding_window // spec.block_size) + 1
-                cuts.append(GroupCut("sliding_window", keep, detail=str(spec.sliding_window)))
+                cuts.append(
+                    GroupCut(
+                        "sliding_window", keep, detail=str(spec.sliding_window),
+                        window=spec.sliding_window, block_size=spec.block_size,
+                    )
+                )  # fmt: skip
             elif kind is MambaSpec:
                 scratch = int(spec.num_speculative_blocks)
                 cuts.append(GroupCut("mamba", scratch=scratch, detail=_mamba_detail(spec)))
@@ -132,22 +148,22 @@ class KvGroups(msgspec.Struct, frozen=True):
         """The groups as both engines must agree on them (part of the handshake's check)."""
         return "+".join(f"{c.kind}({c.detail})" if c.detail else c.kind for c in self.cuts)
 
-    def blocks(self, block_ids: Any) -> BlockIds:
+    def blocks(self, block_ids: Any, tokens: int | None = None) -> BlockIds:
         """The blocks to move, every group's cut concatenated, from vLLM's block ids (one list
-        per group, or one list with a single group)."""
-        return joined(self.cut(block_ids))
+        per group, or one list with a single group) of a request with `tokens` computed."""
+        return joined(self.cut(block_ids, tokens))
 
-    def cut(self, block_ids: Any) -> list[list[int]]:
+    def cut(self, block_ids: Any, tokens: int | None = None) -> list[list[int]]:
         """The blocks each transferred group moves (see `blocks`)."""
         if not isinstance(block_ids, tuple | list) or not block_ids:
             return [[int(b) for b in np.asarray(block_ids).ravel()]] if len(self.cuts) == 1 else []
         if not isinstance(block_ids[0], list | tuple):
             if len(self.cuts) != 1:
                 raise ValueError(f"one block list for {len(self.cuts)} KV cache groups")
-            return [self.cuts[0].cut(block_ids)]
+            return [self.cuts[0].cut(block_ids, tokens)]
         if len(block_ids) != self.count:
             raise ValueError(f"{len(block_ids)} block lists for {self.count} KV cache groups")
-        return [c.cut(block_ids[i]) for c, i in zip(self.cuts, self.ids, strict=True)]
+        return [c.cut(block_ids[i], tokens) for c, i in zip(self.cuts, self.ids, strict=True)]
 
 
 def joined(groups: list[list[int]]) -> BlockIds:

@@ -159,14 +159,17 @@ class SchedulerSide:
         elif params.get("do_remote_prefill"):
             params["do_remote_prefill"] = False  # one load per request, as vLLM's connectors
             ids = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else []
-            self._admit_load(rid, params, ids)
+            tokens = request.num_computed_tokens + num_external_tokens  # once loaded
+            self._admit_load(rid, params, ids, tokens)
 
-    def _admit_load(self, rid: str, params: dict[str, Any], block_ids: Any) -> None:
+    def _admit_load(
+        self, rid: str, params: dict[str, Any], block_ids: Any, tokens: int = 0
+    ) -> None:
         try:
             p = remote_prefill(params, self.settings.mode)
         except ParamsError:  # counted when first seen; an unscheduled request just goes
             return
-        groups = self.groups.cut(tuple(block_ids))
+        groups = self.groups.cut(tuple(block_ids), tokens)
         ids = joined(groups)
         awaited = bool(ids.size)
         if awaited:
@@ -210,7 +213,7 @@ class SchedulerSide:
         if rid not in self._admitted:
             return False, None
         self._admitted.discard(rid)
-        groups = self.groups.cut(block_ids)
+        groups = self.groups.cut(block_ids, request.num_computed_tokens)
         moved = joined(groups)
         if request.status.name not in _SENT or not moved.size:
             self._events.append((Abort(rid), False))

@@ -64,3 +64,22 @@ def test_a_group_kvfsm_cannot_move_is_refused_by_name() -> None:
     chunked = ChunkedLocalAttentionSpec(**_ATTN, attention_chunk_size=128)
     with pytest.raises(SettingsError, match=r"group 1 \(ChunkedLocalAttentionSpec\)"):
         KvGroups.of(_config(FullAttentionSpec(**_ATTN), chunked))
+
+
+@pytest.mark.parametrize("window", [64, 50, 100])
+def test_p_moves_exactly_the_sliding_blocks_vllm_gives_d_at_every_length(window: int) -> None:
+    """D holds the blocks vLLM's SlidingWindowManager keeps for the tokens it loads; P, which
+    may still hold earlier ones, moves exactly that many, the last of its own. (A fixed
+    ceil(W/B)+1 moved 3 where D held 2 at some lengths, and D failed those loads.)"""
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+
+    groups = KvGroups.of(_config(SlidingWindowSpec(**_ATTN, sliding_window=window),
+                                 FullAttentionSpec(**_ATTN)))  # fmt: skip
+    manager = SimpleNamespace(sliding_window=window, extra_retained_tokens=0)
+    for tokens in range(1, 400):
+        blocks = -(-tokens // 32)
+        skipped = SlidingWindowManager.get_num_skipped_tokens(manager, tokens) // 32  # type: ignore[arg-type]
+        p_ids = list(range(100, 100 + blocks))  # P freed nothing yet
+        d_ids = list(range(200 + skipped, 200 + blocks))  # vLLM allocates no skipped block
+        p_cut, d_cut = (groups.cut((ids, ids), tokens)[0] for ids in (p_ids, d_ids))
+        assert d_cut == d_ids and p_cut == p_ids[len(p_ids) - len(d_ids) :], tokens

@@ -5,10 +5,13 @@ moves the full group's every block and the sliding group's last 3.
 
 D's tokens through the proxy must equal P's own greedy tokens, and D must count every prompt
 token as received over the connector. The engines share a secret (`KVFSM_SHARED_SECRET`), as a
-deployment beyond one host should."""
+deployment beyond one host should, and serve 64 concurrent prompts of 40 to 355 tokens: every
+length the window meets, each one's KV moved (a fixed count of window blocks failed D's loads
+where vLLM gave D fewer)."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,7 @@ from serving import (
     assert_a_skipping_d_is_caught,
     assert_d_serves_p_tokens,
     served_in_both_modes,
+    tokens,
 )
 
 from kvfsm.harness.vllm_pd import make_tiny_llama
@@ -36,6 +40,18 @@ served = served_in_both_modes(secret="sliding-window-tests-shared-secret")
 
 def test_d_serves_p_tokens(served: Deployment) -> None:
     assert_d_serves_p_tokens(served, PROMPTS)
+
+
+def test_64_concurrent_prompts_of_every_length_all_move_their_kv(served: Deployment) -> None:
+    (p,), (d,) = served.prefill, served.decode
+    load = [[(13 * i + 3 * j) % 1000 + 1 for j in range(40 + 5 * i)] for i in range(64)]
+    with ThreadPoolExecutor(len(load)) as pool:
+        expected = list(pool.map(lambda x: tokens(p.address, x), load))
+        before = d.prompt_tokens_by_source().get("external_kv_transfer", 0.0)
+        got = list(pool.map(lambda x: tokens(served.address, x), load))
+    assert got == expected
+    received = d.prompt_tokens_by_source()["external_kv_transfer"] - before
+    assert received == sum(len(x) for x in load)  # every request's KV moved, none recomputed
 
 
 def test_a_d_that_moves_nothing_is_caught(model: Path, tmp_path: Path) -> None:
