@@ -36,22 +36,20 @@ class ServeError(RuntimeError):
 
 
 def kvfsm_transfer_config(
-    role: str, mode: str, side_channel_port: int, **extra: Any
+    role: str, mode: str, side_channel_port: int | None, **extra: Any
 ) -> dict[str, Any]:
     """kvfsm's `--kv-transfer-config` for `role` ("kv_producer"/"kv_consumer") and `mode`;
     `extra` goes to `kv_connector_extra_config`, but `connector`, `module` and
-    `kv_load_failure_policy`, which are vLLM's."""
+    `kv_load_failure_policy`, which are vLLM's. `side_channel_port` None: none in the config
+    (the engine takes `$VLLM_NIXL_SIDE_CHANNEL_PORT`, as vLLM's NixlConnector does)."""
     policy = extra.pop("kv_load_failure_policy", "fail")
+    port = {} if side_channel_port is None else {"side_channel_port": side_channel_port}
     return {
         "kv_connector": extra.pop("connector", "KvfsmConnector"),
         "kv_connector_module_path": extra.pop("module", "kvfsm.vllm"),
         "kv_role": role,
         "kv_load_failure_policy": policy,
-        "kv_connector_extra_config": {
-            "mode": mode,
-            "side_channel_port": side_channel_port,
-            **extra,
-        },
+        "kv_connector_extra_config": {"mode": mode, **port, **extra},
     }
 
 

@@ -160,7 +160,9 @@ class KvfsmConnector(KVConnectorBase_V1, SupportsHMA):
         return None  # P's blocks are read or written in place once the prefill finished
 
     def wait_for_save(self) -> None:
-        return None
+        # The end of the step's forward on the host: its KV writes are queued (on a GPU, not
+        # yet run). What P hands over from the next step on waits for them (DeviceFence).
+        self._need_worker().written()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._need_worker().finished()

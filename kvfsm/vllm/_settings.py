@@ -14,6 +14,13 @@ from kvfsm.wire import SharedSecret
 
 __all__ = ["KvfsmSettings", "SettingsError"]
 
+# vLLM's NixlConnector takes its side channel from these; kvfsm does too where its own settings
+# are absent, so a NixlConnector deployment runs by changing the connector's name alone.
+_NIXL_ENV = {
+    "side_channel_host": "VLLM_NIXL_SIDE_CHANNEL_HOST",
+    "side_channel_port": "VLLM_NIXL_SIDE_CHANNEL_PORT",
+}
+
 
 class SettingsError(ValueError):
     """`kv_connector_extra_config` is wrong; the message names the setting and what is allowed."""
@@ -29,9 +36,11 @@ class KvfsmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     side_channel_host: str = "127.0.0.1"
     """Where this engine's handshake listener binds, and the address it advertises to peers (in
     P's transfer params and D's registrations). Loopback by default: set a routable address to
-    serve peers on other hosts."""
+    serve peers on other hosts. Unset, `$VLLM_NIXL_SIDE_CHANNEL_HOST` gives it (vLLM's
+    NixlConnector's setting)."""
     side_channel_port: int = 5600
-    """The listener's port; data-parallel rank `i` listens on `side_channel_port + i`."""
+    """The listener's port; data-parallel rank `i` listens on `side_channel_port + i`. Unset,
+    `$VLLM_NIXL_SIDE_CHANNEL_PORT` gives it (vLLM's NixlConnector's setting)."""
     handshake_timeout_s: float = 10.0
     """A handshake that has not answered by then fails its requests (their blocks reported
     invalid on D)."""
@@ -52,6 +61,10 @@ class KvfsmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """The worker process's GIL switch interval (Python's default is 5000): the engine loop
     thread shares the GIL with vLLM's busy model-runner thread, and every hop of a hand-off
     (notification, post, completion) waits for the GIL; 0 leaves Python's setting alone."""
+    device_fence: bool = True
+    """With the KV cache on a GPU, P exposes a request's KV (posts the WRITE, grants the READ)
+    only once a CUDA event recorded after the forward passes queued before it has completed
+    (`DeviceFence`, docs/vllm.md). Off: rely on vLLM's scheduling alone."""
     drain_s: float = 5.0
     """At shutdown, let live transfers end this long before closing the NIXL agent."""
     ucx_error_handling: UcxErrorHandling = UCX_ERROR_HANDLING_DEFAULT
@@ -70,6 +83,9 @@ class KvfsmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> KvfsmSettings:
         """Settings from `kv_connector_extra_config`; `SettingsError` says what is wrong."""
         flat = dict(extra or {})
+        for key, variable in _NIXL_ENV.items():
+            if key not in flat and os.environ.get(variable):
+                flat[key] = os.environ[variable]
         core_keys = set(CoreConfig.__struct_fields__)
         core = {k: flat.pop(k) for k in list(flat) if k in core_keys}
         known = ", ".join(sorted((set(cls.__struct_fields__) - {"core"}) | core_keys))

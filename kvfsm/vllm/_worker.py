@@ -39,6 +39,7 @@ from kvfsm.fabric import NixlFabric, buffer_span
 from kvfsm.layout import KvGeometry
 from kvfsm.runtime import CallerOutput, Engine, EngineLoop, KvCache, RequestTrace
 from kvfsm.sidechannel import HandshakePayload, ZmqDirectory, compat_hash, payload_of, validate
+from kvfsm.vllm._fence import DeviceFence
 from kvfsm.vllm._scheduler import ConnectorStep
 from kvfsm.vllm._settings import KvfsmSettings
 from kvfsm.vllm._stats import StatsWindow
@@ -76,6 +77,7 @@ class WorkerSide:
         self._failed: set[str] = set()  # guarded by _lock
         self._fail_by_request = fail_by_request
         self._stats = StatsWindow()  # guarded by _lock
+        self._fence: DeviceFence | None = None
         self.on_report: Callable[[], None] | None = None
         """Called (on the loop thread) when something for vLLM's next step arrived."""
 
@@ -117,6 +119,8 @@ class WorkerSide:
             logger=_log,
         )  # fmt: skip
         self._directory.on_result = self.loop.wake
+        if self.is_producer and s.device_fence and mem_type == "VRAM":
+            self._fence = DeviceFence(self._submit, f"kvfsm-{me.agent}")
         if s.gil_switch_interval_us > 0:
             sys.setswitchinterval(s.gil_switch_interval_us * 1e-6)
         self.loop.start()
@@ -139,7 +143,21 @@ class WorkerSide:
             if awaited:
                 with self._lock:
                     self._awaited.add(event.request_id)  # type: ignore[union-attr]
-            self.loop.submit(event).add_done_callback(functools.partial(self._refused, event))
+        if self._fence is not None:
+            self._fence.pass_on([event for event, _ in step.events])
+            return
+        for event, _ in step.events:
+            self._submit(event)
+
+    def written(self) -> None:
+        """This step's forward passes are queued (vLLM's `wait_for_save`): on a GPU, what is
+        handed over from now on waits for them to run (`DeviceFence`)."""
+        if self._fence is not None:
+            self._fence.written()
+
+    def _submit(self, event: Event) -> None:
+        assert self.loop is not None
+        self.loop.submit(event).add_done_callback(functools.partial(self._refused, event))
 
     def finished(self) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose sending / receiving ended since the last call."""
@@ -226,6 +244,8 @@ class WorkerSide:
 
     def close(self) -> None:
         """Let live transfers end (`drain_s`), then release every NIXL resource."""
+        if self._fence is not None:
+            self._fence.close()
         if self.loop is not None:
             try:
                 self.loop.stop(drain_s=self.settings.drain_s)

@@ -7,8 +7,10 @@ memory, and D's GPU memory copied back to the host and compared from D's own geo
 
 from __future__ import annotations
 
+import collections
 import itertools
 import time
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -119,5 +121,52 @@ def test_gpu_engines_move_verified_kv(mode: Mode, p_tp: int, d_tp: int) -> None:
                 assert check.wrong == 0 and check.compared == 2 * rank.host.block_bytes, key
     finally:
         for rank in everyone:
+            rank.engine.close()
+            rank.engine.fabric.close()
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_p_exposes_kv_only_once_the_device_wrote_it(mode: Mode) -> None:
+    """P's KV is written by a kernel queued behind a deliberately slow one (about a second of
+    GPU time), as a forward pass leaves it when vLLM hands over the finished prefill: through
+    the `DeviceFence` (as the connector does on a GPU) D receives what the kernel wrote."""
+    from kvfsm.vllm._fence import DeviceFence
+
+    n = next(_names)
+    directory = LocalDirectory(time.monotonic)
+    p = _GpuRank(Producer(Identity(f"GP{n}"), mode), _MODEL, directory)
+    d = _GpuRank(Consumer(Identity(f"GD{n}"), mode), _MODEL, directory)
+    held: collections.deque[Any] = collections.deque()  # the fence's thread hands over here
+    fence = DeviceFence(held.append, f"GP{n}")
+    try:
+        blocks = np.array([3, 4], dtype=np.int32)
+        write_request(p.host, request_seed("slow"), blocks, unit_tokens=16)
+        p.engine.submit(Admit("slow-0000000a", blocks))
+        d.engine.submit(Admit("slow-0000000b", blocks + 8, f"GP{n}", 1, "slow-0000000a"))
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU cycles before the KV write
+        for tensor, region in zip(p.tensors, p.host.regions(), strict=True):
+            tensor.copy_(torch.from_numpy(region).pin_memory(), non_blocking=True)
+        fence.written()  # the forward pass is queued: vLLM's wait_for_save
+        fence.pass_on([PrefillFinished("slow-0000000a", blocks)])  # the next step's metadata
+        finished: dict[str, str] = {}
+        deadline = time.monotonic() + 60
+        while len(finished) < 2:
+            assert time.monotonic() < deadline, f"not all ended: {finished}"
+            while held:
+                p.engine.submit(held.popleft())
+            for rank in (p, d):
+                rank.engine.poll()
+                for out in rank.engine.take_outputs():
+                    if isinstance(out, Finished):
+                        finished[rank.engine.agent] = out.state
+        assert set(finished.values()) == {"done"}
+        d.download()
+        check = check_request(
+            d.host, request_seed("slow"), blocks + 8, unit_tokens=16, first_token=0, tokens=32
+        )
+        assert check.wrong == 0 and check.compared == 2 * d.host.block_bytes
+    finally:
+        fence.close()
+        for rank in (p, d):
             rank.engine.close()
             rank.engine.fabric.close()

@@ -42,20 +42,28 @@ class Deployment:
 def deployment(
     model: Path, mode: str, logs: Path, *, prefill: int = 1, decode: int = 1,
     d_connector: dict[str, Any] | None = None, flags: Sequence[str] = (), secret: str = "",
+    nixl_env: bool = False,
 ) -> Iterator[Deployment]:  # fmt: skip
     """`prefill` P and `decode` D engines serving `model` in `mode` (`vllm serve` with `flags`
     too), and a proxy; all stopped at the end. `d_connector` overrides D's connector
     (`connector`, `module` keys). `secret`: the deployment's shared secret, set as
-    `KVFSM_SHARED_SECRET` in every engine's environment (none if empty)."""
+    `KVFSM_SHARED_SECRET` in every engine's environment (none if empty). `nixl_env`: each
+    engine's side channel as a NixlConnector deployment gives it, `VLLM_NIXL_SIDE_CHANNEL_HOST`
+    and `_PORT` in its environment, none in its transfer config."""
     env = _ENV | ({"KVFSM_SHARED_SECRET": secret} if secret else {})
     with ExitStack() as stack:
         engines: dict[str, list[Served]] = {"p": [], "d": []}
         for side, count, role in (("p", prefill, "kv_producer"), ("d", decode, "kv_consumer")):
             for i in range(count):
                 extra = (d_connector or {}) if side == "d" else {}
-                config = kvfsm_transfer_config(role, mode, free_port(), **extra)
+                side_channel, own_env = free_port(), dict(env)
+                if nixl_env:
+                    own_env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+                    own_env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel)
+                port = None if nixl_env else side_channel
+                config = kvfsm_transfer_config(role, mode, port, **extra)
                 log = logs / f"{side}{i}.log"
-                served = Served(model, free_port(), log, config, flags=flags, env=env)
+                served = Served(model, free_port(), log, config, flags=flags, env=own_env)
                 stack.callback(served.close)
                 engines[side].append(served)
         until = time.monotonic() + START_S

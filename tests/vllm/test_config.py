@@ -19,6 +19,26 @@ def test_settings_default_and_override() -> None:
     assert KvfsmSettings.from_extra_config({"conformance": True}).conformance
 
 
+def test_the_side_channel_falls_back_to_nixl_connectors_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A NixlConnector deployment gives each engine its side channel in the environment; kvfsm
+    takes it where its own settings say nothing, and its own settings win."""
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "10.1.2.3")
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "5659")
+    s = KvfsmSettings.from_extra_config(None)
+    assert (s.side_channel_host, s.side_channel_port) == ("10.1.2.3", 5659)
+    s = KvfsmSettings.from_extra_config({"side_channel_port": 7000})
+    assert (s.side_channel_host, s.side_channel_port) == ("10.1.2.3", 7000)
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "not-a-port")
+    with pytest.raises(SettingsError, match="side_channel_port"):
+        KvfsmSettings.from_extra_config(None)
+    monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_HOST")
+    monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_PORT")
+    s = KvfsmSettings.from_extra_config(None)
+    assert (s.side_channel_host, s.side_channel_port) == ("127.0.0.1", 5600)
+
+
 @pytest.mark.parametrize(
     ("extra", "match"),
     [

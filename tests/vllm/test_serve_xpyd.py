@@ -4,7 +4,11 @@ Requests spread over every engine, and each D loads from whichever P prefilled i
 four pairings). Then one P is killed while it holds finished prefills: the D that receives one
 cannot reach that P, fails the load and, with `kv_load_failure_policy=recompute`, computes the
 prompt itself, serving the same tokens. The proxy passes over the dead P, and the engines that
-survived hold no request and no KV block at the end."""
+survived hold no request and no KV block at the end.
+
+The engines are set up as a NixlConnector deployment is: each one's side channel comes from
+`VLLM_NIXL_SIDE_CHANNEL_HOST` and `_PORT` in its environment, none from kvfsm's settings, so
+four engines on one host do not collide (the drop-in path, docs/vllm.md)."""
 
 from __future__ import annotations
 
@@ -52,7 +56,9 @@ def _assert_idle(engine: Served) -> None:
 def test_two_p_two_d_serve_and_a_killed_p_fails_over_to_recompute(
     model: Path, tmp_path: Path
 ) -> None:
-    with deployment(model, "pull", tmp_path, prefill=2, decode=2, d_connector=D_CONNECTOR) as s:
+    with deployment(
+        model, "pull", tmp_path, prefill=2, decode=2, d_connector=D_CONNECTOR, nixl_env=True
+    ) as s:
         (p0, p1), (d0, d1) = s.prefill, s.decode
         expected = [tokens(p0.address, x) for x in PROMPTS]  # one engine, no hand-off
         pairings = itertools.product(s.prefill, s.decode)
