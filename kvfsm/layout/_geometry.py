@@ -49,8 +49,9 @@ class KvGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     kv_layout: str = "HND"
     """Order inside a block: "HND" (K segment then V segment, each heads, then tokens: a run of
     heads is contiguous, as a head split between different TP sizes needs), "NHD" (tokens, then
-    heads: whole blocks only), or "HNC" (heads, then tokens, then each token's K and V side by
-    side: vLLM's LBHNC layout; head runs are contiguous too)."""
+    heads: whole blocks only), "HNC" (heads, then tokens, then each token's K and V side by
+    side: vLLM's LBHNC layout; head runs are contiguous too) or "NHC" (tokens, then heads, then
+    the K and V of each: vLLM's LBNHC layout; a run of heads is contiguous within each token)."""
 
     def __post_init__(self) -> None:
         problems = _problems(self)
@@ -86,14 +87,26 @@ class KvGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     @property
     def segments_per_block(self) -> int:
         """Segments inside one block of a region: 2 (K, then V) for a joint HND/NHD region, else
-        1 (split K/V, MLA, or HNC where each token's K and V lie side by side)."""
-        return 1 if self.kv_layout == "HNC" else self.values_per_token
+        1 (split K/V, MLA, or HNC/NHC where each token's K and V lie side by side)."""
+        return 1 if self.kv_together else self.values_per_token
+
+    @property
+    def kv_together(self) -> bool:
+        """Each token's K and V lie side by side (HNC, NHC: vLLM 0.32's layouts)."""
+        return self.kv_layout in ("HNC", "NHC")
+
+    @property
+    def tokens_first(self) -> bool:
+        """Tokens are the outer order inside a block (NHD, NHC): a run of heads is contiguous
+        only within one token."""
+        return self.kv_layout in ("NHD", "NHC")
 
     @property
     def head_bytes(self) -> int:
-        """Bytes of one head in one segment of one block (with HNC: its K and V together)."""
+        """Bytes of one head in one segment of one block (with HNC/NHC: its K and V together;
+        with NHC spread over the block's tokens, contiguous within each)."""
         per_value = self.block_size * self.head_dim * self.dtype_bytes
-        return per_value * (self.values_per_token if self.kv_layout == "HNC" else 1)
+        return per_value * (self.values_per_token if self.kv_together else 1)
 
     @property
     def segment_len(self) -> int:
@@ -147,10 +160,12 @@ def _problems(g: KvGeometry) -> list[str]:
             f"num_kv_heads={g.num_kv_heads} is not divisible by tp_size={g.tp_size}: every rank"
             " must hold an equal number of whole heads (replicated KV heads are not supported)"
         )
-    if g.kv_layout not in ("HND", "NHD", "HNC"):
-        problems.append(f"kv_layout must be 'HND', 'NHD' or 'HNC', got {g.kv_layout!r}")
-    elif g.kv_layout == "HNC" and g.split_kv:
-        problems.append("HNC keeps each token's K and V together: split_kv must be False")
+    if g.kv_layout not in ("HND", "NHD", "HNC", "NHC"):
+        problems.append(f"kv_layout must be 'HND', 'NHD', 'HNC' or 'NHC', got {g.kv_layout!r}")
+    elif g.kv_together and g.split_kv:
+        problems.append(
+            f"{g.kv_layout} keeps each token's K and V together: split_kv must be False"
+        )
     if g.mla and g.split_kv:
         problems.append("MLA keeps one latent KV region per layer: split_kv must be False")
     return problems

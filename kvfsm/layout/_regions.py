@@ -59,6 +59,11 @@ def _cut(g: KvGeometry, part: BlockSlice) -> _Cut:
             f"heads [{part.first_head}, {part.first_head + n}) do not lie within the rank's"
             f" {g.heads_per_rank} heads"
         )
+    if n != g.heads_per_rank and g.kv_layout == "NHC" and g.block_size != k:
+        # Tokens first: a head slice is one run per token, so the units must be single tokens.
+        raise ValueError(
+            f"a head slice of NHC blocks is cut per token: subdivide by {g.block_size}"
+        )
     unit_len, head = g.block_len // k, g.head_bytes // k
     rows = g.num_blocks * k
     if part.split_segments or g.segments_per_block == 1:

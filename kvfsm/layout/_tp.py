@@ -57,6 +57,10 @@ class RankPairing(msgspec.Struct, frozen=True, kw_only=True):
     num_heads: int
     local: BlockSlice
     remote: BlockSlice
+    unit_split: int = 1
+    """Rows per unit of the smaller block size: its tokens when a tokens-first (NHC) page is
+    cut into head slices (one run per token), else 1. Unit ids pairing the two sides' blocks
+    (`align_tail`) expand by it before they select rows."""
 
     @property
     def remote_rank(self) -> int:
@@ -245,19 +249,23 @@ def _pairing(local: KvGeometry, remote: KvGeometry, local_k: int, remote_k: int)
     # Whole-block rows only when both sides cut their blocks alike; otherwise every K and V
     # segment gets its own plane, which lines up a joint region with a split one too.
     split = not (whole and local.split_kv == remote.split_kv)
+    # Tokens first (NHC): a head slice is one run per token, so both sides cut to tokens.
+    per_token = min(local.block_size, remote.block_size) if local.kv_layout == "NHC" else 1
+    per_token = 1 if whole else per_token
     return RankPairing(
         local_geometry=local,
         remote_geometry=remote,
         first_head=first,
         num_heads=count,
+        unit_split=per_token,
         local=BlockSlice(
-            subdivide=local_k,
+            subdivide=local_k * per_token,
             first_head=first - local.first_head,
             num_heads=count,
             split_segments=split,
         ),
         remote=BlockSlice(
-            subdivide=remote_k,
+            subdivide=remote_k * per_token,
             first_head=first - remote.first_head,
             num_heads=count,
             split_segments=split,

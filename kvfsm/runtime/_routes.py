@@ -13,6 +13,7 @@ from kvfsm.layout import (
     RegionLayout,
     SliceRows,
     align_tail,
+    logical_to_kernel,
     plan_pairings,
 )
 from kvfsm.runtime._kv import KvCache
@@ -44,12 +45,17 @@ class Route(NamedTuple):
         """Local and remote row ids for one request's blocks, aligned at D's prefix-cache hit.
         ValueError when the blocks cannot pair (D holds more than P's request fills) or lie
         outside either side's cache."""
-        assert self.maps is not None, "a notify-only route moves no rows"
+        assert self.maps is not None and self.pairing is not None, "a notify-only route"
         local_map, remote_map = self.maps
+        p_blocks, d_blocks = (
+            (local_blocks, remote_blocks) if self.local_is_p else (remote_blocks, local_blocks)
+        )
+        p_units, d_units = align_tail(p_blocks, d_blocks, self.ratio)
+        split = self.pairing.unit_split
+        if split > 1:  # head slices of tokens-first pages: a row per token
+            p_units, d_units = logical_to_kernel(p_units, split), logical_to_kernel(d_units, split)
         if self.local_is_p:
-            p_units, d_units = align_tail(local_blocks, remote_blocks, self.ratio)
             return local_map(p_units), remote_map(d_units)
-        p_units, d_units = align_tail(remote_blocks, local_blocks, self.ratio)
         return local_map(d_units), remote_map(p_units)
 
 

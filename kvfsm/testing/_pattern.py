@@ -76,7 +76,9 @@ def check_request(
 
 
 # Axis order in memory of (units, K/V, heads, unit tokens, row bytes), per page layout.
-_ORDER = {"HND": (0, 1, 2, 3, 4), "NHD": (0, 1, 3, 2, 4), "HNC": (0, 2, 3, 1, 4)}
+_ORDER = {
+    "HND": (0, 1, 2, 3, 4), "NHD": (0, 1, 3, 2, 4), "HNC": (0, 2, 3, 1, 4), "NHC": (0, 3, 2, 1, 4),
+}  # fmt: skip
 
 
 def _planes(

@@ -8,6 +8,9 @@ one backend's:
 * LBHNC (the layout the connector asks vLLM for, `REQUIRED_LAYOUT`): each layer one contiguous
   region, each block its heads one after the other, each token's K and V side by side: kvfsm's
   "HNC" page layout, one region per layer. A run of heads is contiguous, so TP sizes may differ.
+* LBNHC (vLLM's first choice where no backend declares a set): each layer one contiguous region,
+  each block its tokens one after the other: kvfsm's "NHC" pages; a head slice is one run per
+  token.
 * MLA (recognised by the model, not the tensor's rank): `[B, 1, N, latent]`, one latent region
   per layer, replicated on every TP rank; any layout that keeps a layer contiguous.
 * The legacy split `(2, num_blocks, block_size, heads, head_dim)`: K and V in two halves of the
@@ -99,12 +102,12 @@ def geometry_of(
         fields |= {"num_kv_heads": 1, "mla": True}
         num_kv_heads = 1
         buffers = [_dense_layer(t) for t in tensors]
-    elif len(shape) == 4:  # [B, H, N, C] in LBHNC: kvfsm's HNC pages
-        _require_layout(tensors[0])
+    elif len(shape) == 4:  # [B, H, N, C]: LBHNC (kvfsm's HNC pages) or LBNHC (NHC)
+        page_layout = _page_layout(tensors[0])
         num_blocks, heads, tokens, width = shape
         fields = {"num_blocks": num_blocks, "block_size": tokens, "head_dim": width // 2}
-        fields |= {"num_kv_heads": heads * tp_size, "kv_layout": "HNC"}
-        buffers = tensors
+        fields |= {"num_kv_heads": heads * tp_size, "kv_layout": page_layout}
+        buffers = tensors if page_layout == "HNC" else [_layer_region(t) for t in tensors]
     elif len(shape) == 5 and shape[0] == 2:  # K and V halves, tokens first
         _, num_blocks, tokens, heads, head_dim = shape
         fields = {"num_blocks": num_blocks, "block_size": tokens, "head_dim": head_dim}
@@ -127,18 +130,32 @@ def geometry_of(
     return KvGeometry(**common, **fields), buffers
 
 
-def _require_layout(view: Any) -> None:
-    """Refuse, naming it and the fix, a layout other than the one the connector asks for."""
-    if view.is_contiguous():
-        return
-    name = layout_of(view)
+# vLLM's layer-outermost layouts kvfsm moves, by the page layout inside a block.
+_PAGE_LAYOUTS = {"LBHNC": "HNC", "LBNHC": "NHC"}
+
+
+def _page_layout(view: Any) -> str:
+    """kvfsm's page layout of a layer's `[B, H, N, C]` view; the layouts kvfsm does not move
+    are refused, naming the layout and the fix."""
+    name = "LBHNC" if view.is_contiguous() else layout_of(view)
+    if name in _PAGE_LAYOUTS:
+        return _PAGE_LAYOUTS[name]
     raise LayoutError(
-        f"vLLM laid the KV cache out as {name}; kvfsm moves {REQUIRED_LAYOUT}, which it asks"
-        f" vLLM for: the attention backend admits no {REQUIRED_LAYOUT}, or VLLM_KV_CACHE_LAYOUT"
-        f" chose another. Set VLLM_KV_CACHE_LAYOUT={REQUIRED_LAYOUT} (or leave it unset), or"
-        f" choose an attention backend that admits {REQUIRED_LAYOUT}"
+        f"vLLM laid the KV cache out as {name}; kvfsm moves {' and '.join(_PAGE_LAYOUTS)} and"
+        f" asks vLLM for {REQUIRED_LAYOUT}: the attention backend admits neither, or"
+        f" VLLM_KV_CACHE_LAYOUT chose another. Set VLLM_KV_CACHE_LAYOUT={REQUIRED_LAYOUT} (or"
+        f" leave it unset), or choose an attention backend that admits {REQUIRED_LAYOUT}"
         " (docs/vllm.md lists them)"
     )
+
+
+def _layer_region(view: Any) -> Any:
+    """A layer-outermost layer's view as the contiguous tensor of its region (every block's
+    page, in block order), the bytes NIXL registers."""
+    flat = view.as_strided((view.numel(),), (1,))
+    if view.stride(0) * view.shape[0] != view.numel():
+        raise LayoutError(f"a layer's KV blocks are not one dense region (strides {view.stride()})")
+    return flat
 
 
 def _latent_shape(shape: tuple[int, ...]) -> tuple[int, int, int]:

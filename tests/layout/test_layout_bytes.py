@@ -57,6 +57,10 @@ def _element(
     """Index (in uint32s) of one element, with blocks cut into k sub-blocks."""
     g = layout.geometry
     region, seg = (layer * 2 + kv, 0) if g.split_kv else (layer, kv)
+    if g.kv_layout == "NHC":  # tokens, then heads, then each head's K and V side by side
+        token = (slot * g.heads_per_rank + head) * g.values_per_token + kv
+        addr = layout.base_addresses[region] + unit * (g.block_len // k)
+        return (addr + (token * g.head_dim + dim) * g.dtype_bytes) // 4
     if g.kv_layout == "HNC":  # heads, then tokens, then the token's K and V side by side
         inner = ((slot * g.values_per_token + kv) * g.head_dim + dim) * g.dtype_bytes
         addr = layout.base_addresses[region] + unit * (g.block_len // k)
@@ -172,6 +176,15 @@ def test_mla_replica_lands_on_every_rank(
 def test_hnc_pages_land_in_place(p_tp: int, d_tp: int, p_bs: int, d_bs: int, pull: bool) -> None:
     # vLLM's LBHNC block interior: each head's tokens, each token's K and V side by side.
     _run(p_tp, d_tp, p_bs, d_bs, False, False, mla=False, pull=pull, kv_layout="HNC")
+
+
+@pytest.mark.parametrize("pull", [True, False], ids=["pull", "push"])
+@pytest.mark.parametrize(("p_bs", "d_bs"), _BLOCKS, ids=lambda v: str(v))
+@pytest.mark.parametrize(("p_tp", "d_tp"), _TP, ids=lambda v: str(v))
+def test_nhc_pages_land_in_place(p_tp: int, d_tp: int, p_bs: int, d_bs: int, pull: bool) -> None:
+    # vLLM's LBNHC block interior: tokens, each token's heads, each head's K and V side by
+    # side. Head slices (TP sizes differ) move one run per token.
+    _run(p_tp, d_tp, p_bs, d_bs, False, False, mla=False, pull=pull, kv_layout="NHC")
 
 
 def test_equal_geometry_coalesces_to_few_descriptors() -> None:

@@ -199,7 +199,9 @@ def test_nhd_pages_move_whole_blocks_only() -> None:
         plan_pairings(_geo(2, kv_layout="NHD"), _geo(1, kv_layout="NHD"))
     with pytest.raises(ValueError, match=r"kv_layout differs: 'NHD' \(local\) vs 'HND'"):
         check_compatible(_geo(1, kv_layout="NHD"), _geo(1))
-    with pytest.raises(ValueError, match="kv_layout must be 'HND', 'NHD' or 'HNC', got 'XYZ'"):
+    with pytest.raises(
+        ValueError, match="kv_layout must be 'HND', 'NHD', 'HNC' or 'NHC', got 'XYZ'"
+    ):
         _geo(1, kv_layout="XYZ")
 
 

@@ -3,12 +3,13 @@ safety properties checked after every step (see kvfsm.testing)."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvfsm.core import Mode
 from kvfsm.fabric import SimFaults
-from kvfsm.testing import SMALL_MLA_GEOMETRY, run_tour, untaken_transitions
+from kvfsm.testing import SMALL_GEOMETRY, SMALL_MLA_GEOMETRY, run_tour, untaken_transitions
 from kvfsm.testing.stateful import LifecycleMachine, machine_for
 from kvfsm.wire import SharedSecret
 
@@ -21,6 +22,7 @@ _NOISY = SimFaults(
     delay_notif=0.05,
     reorder_notif=0.05,
 )
+_NHC = msgspec.structs.replace(SMALL_GEOMETRY, kv_layout="NHC")
 # A deployment's shared secret: the noisy fabrics below reorder, delay and duplicate sealed
 # notifications, and only the duplicates may be refused as replays.
 _SECRET = SharedSecret(b"stateful-programs-shared-secret")
@@ -45,6 +47,9 @@ MACHINES = (
     machine_for("pull", 1, 1, _SLOW, d_block_size=16),
     machine_for("push", 1, 1, _TCP),
     machine_for("pull", 1, 2, _TCP),
+    # vLLM's LBNHC pages (tokens first): head slices move one run per token.
+    machine_for("push", 2, 1, _SLOW, geometry=_NHC),
+    machine_for("pull", 1, 2, _NOISY, geometry=_NHC, d_block_size=8),
 )
 TestPush, TestPull, TestPushSlow, TestPullSlow = (m.TestCase for m in MACHINES[:4])
 TestPushOneToTwo, TestPullTwoToOne, TestPushTwoToOne, TestPullOneToTwo = (
@@ -53,7 +58,8 @@ TestPushOneToTwo, TestPullTwoToOne, TestPushTwoToOne, TestPullOneToTwo = (
 TestPushMla, TestPullMla, TestPushBigDBlocks, TestPullBigDBlocks = (
     m.TestCase for m in MACHINES[8:12]
 )
-TestPushLateBytes, TestPullLateBytes = (m.TestCase for m in MACHINES[12:])
+TestPushLateBytes, TestPullLateBytes = (m.TestCase for m in MACHINES[12:14])
+TestPushNhc, TestPullNhcBigDBlocks = (m.TestCase for m in MACHINES[14:])
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])

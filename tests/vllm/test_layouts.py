@@ -1,7 +1,7 @@
 """vLLM 0.32's GPU KV cache layouts, made on host memory by vLLM's own code
 (`create_kv_cache_views`, what the GPU model runner calls): the connector names each layout from
-the tensors' strides, takes the one it asks vLLM for (LBHNC) and MLA in any layer-outermost
-layout, and refuses the rest at start-up in one line naming the layout and the setting that
+the tensors' strides, takes the one it asks vLLM for (LBHNC), LBNHC (tokens first) and MLA in
+any layer-outermost layout, and refuses the rest at start-up in one line naming the layout and the setting that
 fixes it. vLLM's own `resolve_kv_cache_layout`, given each GPU backend's declared layouts and
 KvfsmConnector's request, resolves to LBHNC wherever the backend admits it."""
 
@@ -74,8 +74,20 @@ def test_lbhnc_is_taken_as_heads_first_pages(dtype: torch.dtype) -> None:
     assert g.region_bytes == buffers[0].numel() * buffers[0].element_size()
 
 
+def test_lbnhc_is_taken_as_tokens_first_pages() -> None:
+    views = _views(_attention(), KVCacheLayout.LBNHC)
+    g, buffers = _geometry(views)
+    assert (g.kv_layout, g.num_layers, g.heads_per_rank, g.head_dim) == ("NHC", LAYERS, HEADS, 8)
+    view = views["model.layers.1.self_attn.attn"]
+    assert buffers[1].data_ptr() == view.data_ptr() and buffers[1].is_contiguous()
+    assert buffers[1].numel() * buffers[1].element_size() == g.region_bytes
+
+
+_MOVED = ("LBHNC", "LBNHC")
+
+
 @pytest.mark.parametrize(
-    "layout", [x for x in KVCacheLayout if x.name != REQUIRED_LAYOUT], ids=lambda x: x.name
+    "layout", [x for x in KVCacheLayout if x.name not in _MOVED], ids=lambda x: x.name
 )
 def test_other_layouts_are_refused_naming_the_layout_and_the_fix(layout: KVCacheLayout) -> None:
     with pytest.raises(LayoutError, match=f"as {layout.name}; .*VLLM_KV_CACHE_LAYOUT=LBHNC"):
@@ -146,6 +158,9 @@ def test_vllm_resolves_the_layout_kvfsm_asks_for_wherever_the_backend_admits_it(
     assert KvfsmConnector.get_required_kvcache_layout(None) == REQUIRED_LAYOUT
     if declared is None or _L.LBHNC in declared:
         assert layout is _L.LBHNC
+    elif layout.name in _MOVED:  # the backend's own choice, which kvfsm moves too
+        assert layout is declared[0]
+        assert _geometry(_views(_attention(), layout))[0].kv_layout == "NHC"
     else:  # the connector refuses what vLLM made, at start-up, in one line
         assert layout is declared[0]
         with pytest.raises(LayoutError, match=f"as {layout.name}; "):
