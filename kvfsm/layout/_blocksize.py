@@ -3,9 +3,10 @@
 When one side's blocks hold k times the tokens of the other's, the bigger blocks are addressed as
 k sub-blocks ("kernel blocks") each the size of a small block, and a request's logical block ids
 on that side expand to kernel ids: logical block `b` is kernel blocks `b*k .. b*k + k-1`. After
-the expansion both lists count small blocks and pair up one for one. (The bytes of a sub-block
-are in the small block's head order; re-ordering them inside the big block after the transfer is
-the receiver's business, not the descriptors'.)
+the expansion both lists count small blocks and pair up one for one. Sub-block `i` of a big block
+holds its tokens `[i, i + 1) * small`, where its page keeps them: one run per head where heads
+come first (HND, HNC: both sides then cut their rows head by head), one run per K/V segment where
+tokens do (`BlockSlice`). So the big block holds exactly what the engine that owns it wrote.
 """
 
 from __future__ import annotations

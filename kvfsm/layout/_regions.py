@@ -23,29 +23,35 @@ __all__ = ["BlockSlice", "RegionLayout", "SliceRows", "slice_ids", "slice_rows"]
 class BlockSlice(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Which bytes of every block a descriptor list covers (the whole block by default).
 
-    * `subdivide` k: each block is cut into k sub-blocks ("kernel blocks") of `block_size / k`
-      tokens, each laid out like a whole block of that size; rows then number `num_blocks * k`
-      per plane, sub-block `b * k + i` being the i-th piece of block `b`.
+    * `subdivide` k: each block is cut into k sub-blocks of `block_size / k` tokens, sub-block
+      `b * k + i` holding tokens `[i, i + 1) * block_size / k` of block `b`; rows then number
+      `num_blocks * k` per plane. Where a page keeps each head's tokens together (HND, HNC), a
+      sub-block is one run per head: it needs `per_head`. Where tokens come first, it is one run
+      per K/V segment.
     * `first_head`, `num_heads`: only these of the rank's heads (index within the rank; None:
       all from `first_head`), one contiguous range per K/V segment.
     * `split_segments`: one plane per K/V segment of a joint region, so K and V rows are separate
       (needed for a head slice, and to pair with a peer that registers K and V apart).
+    * `per_head`: one plane per head (and K/V segment, segments first): a peer whose blocks hold
+      another number of tokens pairs with this side head by head.
     """
 
     subdivide: int = 1
     first_head: int = 0
     num_heads: int | None = None
     split_segments: bool = False
+    per_head: bool = False
 
 
 class _Cut(NamedTuple):
-    """A BlockSlice resolved against a geometry, in bytes."""
+    """A BlockSlice resolved against a geometry, in bytes: the row of unit `u` in plane `p`
+    starts at `base + planes[p] + (u // k) * block_len + (u % k) * sub_stride`."""
 
     rows_per_plane: int
-    unit_len: int  # stride between consecutive (sub-)blocks
-    planes_per_region: int
-    segment_stride: int  # stride between the segment planes of a region
-    offset: int  # where a row starts inside its (sub-)block segment
+    k: int
+    block_len: int
+    sub_stride: int  # between the sub-blocks of one block
+    planes: Int64Array  # where each plane of a region starts inside a block
     length: int
 
 
@@ -64,21 +70,27 @@ def _cut(g: KvGeometry, part: BlockSlice) -> _Cut:
         raise ValueError(
             f"a head slice of NHC blocks is cut per token: subdivide by {g.block_size}"
         )
-    unit_len, head = g.block_len // k, g.head_bytes // k
-    rows = g.num_blocks * k
+    segments = np.arange(g.segments_per_block, dtype=np.int64) * g.segment_len
+    heads_first = not g.tokens_first
+    if part.per_head or (k > 1 and heads_first and g.heads_per_rank > 1):
+        if not part.per_head:
+            raise ValueError("sub-blocks of heads-first blocks are one run per head: per_head")
+        heads = (part.first_head + np.arange(n, dtype=np.int64)) * g.head_bytes
+        planes = (segments[:, None] + heads[None, :]).ravel()
+        return _Cut(g.num_blocks * k, k, g.block_len, g.head_bytes // k, planes, g.head_bytes // k)
     if part.split_segments or g.segments_per_block == 1:
-        return _Cut(
-            rows,
-            unit_len,
-            g.segments_per_block,
-            g.segment_len // k,
-            part.first_head * head,
-            n * head,
-        )
+        # One run per segment and sub-block: the slice's heads (heads first), or the
+        # sub-block's tokens, whole heads or one token's heads of NHC (tokens first).
+        sub = g.segment_len // k
+        head = g.head_bytes // k if heads_first else sub // g.heads_per_rank
+        offset = segments + part.first_head * head
+        return _Cut(g.num_blocks * k, k, g.block_len, sub, offset, n * head)
     if n != g.heads_per_rank:
         # In a joint block the K heads and V heads of a slice are two separate ranges.
         raise ValueError("a head slice of joint K/V blocks needs split_segments=True")
-    return _Cut(rows, unit_len, 1, unit_len, 0, unit_len)
+    if k > 1:
+        raise ValueError("sub-blocks of joint K/V blocks are one run per segment: split_segments")
+    return _Cut(g.num_blocks, 1, g.block_len, g.block_len, np.zeros(1, np.int64), g.block_len)
 
 
 class RegionLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -133,9 +145,9 @@ class RegionLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """
         cut = _cut(self.geometry, part or BlockSlice())
         bases = np.asarray(self.base_addresses, dtype=np.int64)
-        seg = np.arange(cut.planes_per_region, dtype=np.int64) * cut.segment_stride
-        plane_start = (bases[:, None] + seg[None, :]).ravel() + cut.offset
-        units = np.arange(cut.rows_per_plane, dtype=np.int64) * cut.unit_len
+        plane_start = (bases[:, None] + cut.planes[None, :]).ravel()
+        u = np.arange(cut.rows_per_plane, dtype=np.int64)
+        units = (u // cut.k) * cut.block_len + (u % cut.k) * cut.sub_stride
         rows = np.empty((plane_start.size * cut.rows_per_plane, 3), dtype=np.int64)
         rows[:, 0] = (plane_start[:, None] + units[None, :]).ravel()
         rows[:, 1] = cut.length
@@ -189,7 +201,7 @@ def slice_rows(
         chosen = np.arange(geometry.num_layers, dtype=np.int64)
     else:
         chosen = as_ids(layers, geometry.num_layers, "layer ids")
-    per_layer = geometry.regions_per_layer * cut.planes_per_region
+    per_layer = geometry.regions_per_layer * cut.planes.size
     planes = (chosen[:, None] * per_layer + np.arange(per_layer, dtype=np.int64)).ravel()
     return SliceRows(planes[:, None] * cut.rows_per_plane, cut.rows_per_plane)
 

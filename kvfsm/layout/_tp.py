@@ -247,8 +247,12 @@ def _pairing(local: KvGeometry, remote: KvGeometry, local_k: int, remote_k: int)
             f" heads-first page layout (HND or HNC) on both sides; these use NHD"
         )
     # Whole-block rows only when both sides cut their blocks alike; otherwise every K and V
-    # segment gets its own plane, which lines up a joint region with a split one too.
-    split = not (whole and local.split_kv == remote.split_kv)
+    # segment gets its own plane, which lines up a joint region with a split one too. Blocks
+    # of different sizes pair by sub-blocks: one run per segment, and per head where a page
+    # keeps each head's tokens together.
+    ratio = local_k > 1 or remote_k > 1
+    split = ratio or not (whole and local.split_kv == remote.split_kv)
+    per_head = ratio and not local.tokens_first and count > 1
     # Tokens first (NHC): a head slice is one run per token, so both sides cut to tokens.
     per_token = min(local.block_size, remote.block_size) if local.kv_layout == "NHC" else 1
     per_token = 1 if whole else per_token
@@ -263,12 +267,14 @@ def _pairing(local: KvGeometry, remote: KvGeometry, local_k: int, remote_k: int)
             first_head=first - local.first_head,
             num_heads=count,
             split_segments=split,
+            per_head=per_head,
         ),
         remote=BlockSlice(
             subdivide=remote_k * per_token,
             first_head=first - remote.first_head,
             num_heads=count,
             split_segments=split,
+            per_head=per_head,
         ),
     )
 

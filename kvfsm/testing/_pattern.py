@@ -6,9 +6,9 @@ head's token. A D rank computes what its own blocks must hold from its own geome
 check covers every TP pair (head slices), block-size ratio (kernel blocks), K/V split and
 replicated (MLA) KV, with no knowledge of how the bytes travelled.
 
-Blocks are read as kvfsm's layout addresses them: a block of `k` pairing units (`unit_tokens`
-tokens each, the smaller of the two sides' block sizes) holds k sub-blocks, each laid out like a
-whole block of `unit_tokens` tokens.
+Blocks are read as their pages lie in memory: a block of `k` pairing units (`unit_tokens`
+tokens each, the smaller of the two sides' block sizes) holds the units' tokens one after the
+other along its tokens axis, wherever the page layout puts that axis (as vLLM's blocks do).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def write_request(kv: KvCache, seed: int, blocks: npt.ArrayLike, *, unit_tokens:
     ids = np.asarray(blocks, dtype=np.int64)
     tokens = ids.size * kv.geometry.block_size
     for view, units, expected in _planes(kv, seed, ids, unit_tokens, 0, tokens):
-        view[units] = expected
+        view[units] = expected  # (block, sub-block) index pairs: writes through to memory
 
 
 def check_request(
@@ -83,7 +83,7 @@ _ORDER = {
 
 def _planes(
     kv: KvCache, seed: int, ids: npt.NDArray[np.int64], unit_tokens: int, first: int, tokens: int
-) -> list[tuple[_U8, npt.NDArray[np.int64], _U8]]:
+) -> list[tuple[_U8, tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]], _U8]]:
     """Per region: a view of its memory in the page layout's axis order, the units holding the
     request's tokens, and the bytes they must hold (in the same order)."""
     g = kv.geometry
@@ -107,11 +107,27 @@ def _planes(
         kv_heads = _mix(np.array([layer * 2 + s for s in kvs]), 3)[:, None] + _mix(heads, 4)
         # Canonical (units, K/V, heads, unit tokens, row bytes), then memory order.
         expected = token_rows[:, None, None, :, :] + kv_heads[None, :, :, None, None]
-        canonical = (g.num_blocks * k, len(kvs), g.heads_per_rank, unit_tokens, row)
-        shape = tuple(canonical[i] for i in order)
-        view = memory.reshape(shape)
-        out.append((view, units, expected.astype(np.uint8, copy=False).transpose(order)))
+        view = _unit_view(
+            memory, g.num_blocks, (len(kvs), g.heads_per_rank), k, unit_tokens, row, order
+        )
+        out.append(
+            (view, (units // k, units % k), expected.astype(np.uint8, copy=False).transpose(order))
+        )
     return out
+
+
+def _unit_view(
+    memory: _U8, blocks: int, kv_heads: tuple[int, int], k: int, unit_tokens: int, row: int,
+    order: tuple[int, ...],
+) -> _U8:  # fmt: skip
+    """A region's memory as (blocks, k sub-blocks, then the page's axes in memory order with
+    `unit_tokens` tokens): a view, so that writing through it writes the cache."""
+    page = (0, *kv_heads, k * unit_tokens, row)  # canonical axes 1..4 of one block
+    shape = (blocks, *(page[i] for i in order[1:]))
+    tokens_axis = order.index(3)
+    split = (*shape[:tokens_axis], k, unit_tokens, *shape[tokens_axis + 1 :])
+    view: _U8 = np.moveaxis(memory.reshape(split), tokens_axis, 1)
+    return view
 
 
 def _token_major(units: _U8) -> _U8:

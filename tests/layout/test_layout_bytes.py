@@ -54,25 +54,23 @@ class _Memory:
 def _element(
     layout: RegionLayout, k: int, unit: int, layer: int, kv: int, head: int, slot: int, dim: int
 ) -> int:
-    """Index (in uint32s) of one element, with blocks cut into k sub-blocks."""
+    """Index (in uint32s) of one element, `unit` being sub-block `unit % k` of block
+    `unit // k` (its tokens are the block's `[i, i + 1) * block_size / k`)."""
     g = layout.geometry
     region, seg = (layer * 2 + kv, 0) if g.split_kv else (layer, kv)
+    block, token = unit // k, (unit % k) * (g.block_size // k) + slot
+    heads = g.heads_per_rank
+    block_start = layout.base_addresses[region] + block * g.block_len
     if g.kv_layout == "NHC":  # tokens, then heads, then each head's K and V side by side
-        token = (slot * g.heads_per_rank + head) * g.values_per_token + kv
-        addr = layout.base_addresses[region] + unit * (g.block_len // k)
-        return (addr + (token * g.head_dim + dim) * g.dtype_bytes) // 4
-    if g.kv_layout == "HNC":  # heads, then tokens, then the token's K and V side by side
-        inner = ((slot * g.values_per_token + kv) * g.head_dim + dim) * g.dtype_bytes
-        addr = layout.base_addresses[region] + unit * (g.block_len // k)
-        return (addr + head * (g.head_bytes // k) + inner) // 4
-    addr = (
-        layout.base_addresses[region]
-        + unit * (g.block_len // k)
-        + seg * (g.segment_len // k)
-        + head * (g.head_bytes // k)
-        + (slot * g.head_dim + dim) * g.dtype_bytes
-    )
-    return addr // 4
+        inner = ((token * heads + head) * g.values_per_token + kv) * g.head_dim + dim
+    elif g.kv_layout == "HNC":  # heads, then tokens, then the token's K and V side by side
+        inner = ((head * g.block_size + token) * g.values_per_token + kv) * g.head_dim + dim
+    elif g.kv_layout == "NHD":  # per K/V segment: tokens, then heads
+        inner = seg * g.segment_len // g.dtype_bytes + (token * heads + head) * g.head_dim + dim
+    else:  # HND, per K/V segment: heads, then tokens
+        inner = seg * g.segment_len // g.dtype_bytes + (head * g.block_size + token) * g.head_dim
+        inner += dim
+    return (block_start + inner * g.dtype_bytes) // 4
 
 
 def _tag(layer: int, kv: int, head: int, token: int, dim: int) -> int:

@@ -77,14 +77,28 @@ def test_split_segments_of_a_joint_region() -> None:
         layout.descriptors(BlockSlice(first_head=1, num_heads=2, split_segments=True))
 
 
-def test_subdivided_rows() -> None:
-    # 4-token blocks as 2 sub-blocks of 2 tokens: block 64*2=128 bytes, sub-block 64 bytes.
+def test_subdivided_rows_are_one_run_per_head() -> None:
+    # 4-token blocks as 2 sub-blocks of 2 tokens: a block is 128 bytes, K then V, each 2 heads
+    # of 32 bytes; a sub-block is the first or the second half of each head's: 16-byte runs.
     layout = RegionLayout(KvGeometry(**{**_TINY, "num_layers": 1, "block_size": 4}), (0,))
-    rows = layout.descriptors(BlockSlice(subdivide=2))
-    np.testing.assert_array_equal(rows[:, 0], [0, 64, 128, 192, 256, 320])
-    assert set(rows[:, 1]) == {64}
+    rows = layout.descriptors(BlockSlice(subdivide=2, per_head=True))
+    assert rows.shape == (4 * 6, 3) and set(rows[:, 1]) == {16}
+    np.testing.assert_array_equal(rows[:6, 0], [0, 16, 128, 144, 256, 272])  # K, head 0
+    np.testing.assert_array_equal(rows[6:12, 0], [32, 48, 160, 176, 288, 304])  # K, head 1
+    np.testing.assert_array_equal(rows[18:, 0], [96, 112, 224, 240, 352, 368])  # V, head 1
+    with pytest.raises(ValueError, match="one run per head"):
+        layout.descriptors(BlockSlice(subdivide=2))
     with pytest.raises(ValueError, match="cannot be cut into 3 equal parts"):
-        layout.descriptors(BlockSlice(subdivide=3))
+        layout.descriptors(BlockSlice(subdivide=3, per_head=True))
+
+
+def test_subdivided_tokens_first_rows_are_one_run_per_segment() -> None:
+    # NHD, split K/V: a sub-block is a contiguous half of the block (its first or last tokens).
+    g = KvGeometry(**{**_TINY, "num_layers": 1, "block_size": 4, "kv_layout": "NHD"})
+    layout = RegionLayout(msgspec.structs.replace(g, split_kv=True), (0, 1000))
+    rows = layout.descriptors(BlockSlice(subdivide=2))
+    np.testing.assert_array_equal(rows[:6, 0], [0, 32, 64, 96, 128, 160])
+    assert set(rows[:, 1]) == {32}
 
 
 @pytest.mark.parametrize(

@@ -175,19 +175,21 @@ def test_transfer_ids_with_block_ratio_and_a_layer_subset() -> None:
     d, p = _geo(2, 0, num_layers=2, block_size=4), _geo(1, num_layers=2)
     (pairing,) = plan_pairings(d, p).pairings
     assert pairing.local.subdivide == 2 and pairing.remote.subdivide == 1
-    # D block 1 -> kernel blocks 2, 3; P sent blocks 0, 1. Planes per layer: K and V.
-    # D: 2 blocks * 2 = 4 rows per plane; P: 2 rows per plane. Layer 1 = planes 2 (K), 3 (V).
+    assert pairing.local.per_head and pairing.remote.per_head  # heads-first pages, head by head
+    # D block 1 -> sub-blocks 2, 3; P sent blocks 0, 1. Planes per layer: K h0, K h1, V h0, V h1.
+    # D: 2 blocks * 2 = 4 rows per plane; P: 2 rows per plane. Layer 1 = planes 4..7.
     lids, rids = pairing.transfer_ids([1], [0, 1], layers=[1])
-    assert lids.tolist() == [2 * 4 + 2, 2 * 4 + 3, 3 * 4 + 2, 3 * 4 + 3]
-    assert rids.tolist() == [2 * 2 + 0, 2 * 2 + 1, 3 * 2 + 0, 3 * 2 + 1]
-    # D kernel block 2 = first half of D block 1: D block 64 bytes, sub-block 32, K 16 + V 16.
+    assert lids.tolist() == [p * 4 + u for p in range(4, 8) for u in (2, 3)]
+    assert rids.tolist() == [p * 2 + u for p in range(4, 8) for u in (0, 1)]
+    # D block 1 at 1000 + 64: K then V (32 bytes each), each 2 heads of 4 tokens (16 bytes); a
+    # sub-block is the first or the second half (8 bytes) of each head's tokens.
     local = pairing.local_descriptors(RegionLayout(d, (0, 1000)))
-    np.testing.assert_array_equal(local[lids, :2], [[1064, 16], [1096, 16], [1080, 16], [1112, 16]])
+    np.testing.assert_array_equal(local[lids, 0], [1064, 1072, 1080, 1088, 1096, 1104, 1112, 1120])
+    assert set(local[lids, 1]) == {8}
+    # P blocks of 64 bytes: K then V, each 4 heads of 2 tokens (8 bytes); heads 0 and 1 go.
     remote = pairing.remote_descriptors(RegionLayout(p, (0, 1000)))
-    # P blocks of 64 bytes (4 heads * 8 * K/V); D rank 0 takes heads 0..1 = first 16 of K and V.
-    np.testing.assert_array_equal(
-        remote[rids, :2], [[1000, 16], [1064, 16], [1032, 16], [1096, 16]]
-    )
+    np.testing.assert_array_equal(remote[rids, 0], [1000, 1064, 1008, 1072, 1032, 1096, 1040, 1104])
+    assert set(remote[rids, 1]) == {8}
 
 
 def test_nhd_pages_move_whole_blocks_only() -> None:

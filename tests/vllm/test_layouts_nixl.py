@@ -191,7 +191,12 @@ def test_mla_arrives_whole_on_every_d_rank(layout: KVCacheLayout, p_tp: int, d_t
     _move("pull", layout, p_tp, d_tp, 16, 16, mla=True)
 
 
-@pytest.mark.parametrize("layout", [KVCacheLayout.LBNHC], ids=lambda x: x.name)
+@pytest.mark.parametrize("layout", _LAYOUTS, ids=lambda x: x.name)
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_d_blocks_twice_ps(layout: KVCacheLayout, mode: Mode) -> None:
     _move(mode, layout, 1, 2, 16, 32)
+
+
+@pytest.mark.parametrize("layout", _LAYOUTS, ids=lambda x: x.name)
+def test_d_blocks_twice_ps_across_tp_with_a_prefix_hit(layout: KVCacheLayout) -> None:
+    _move("push", layout, 2, 4, 16, 32, hit=1, tokens=70)
