@@ -170,10 +170,14 @@ class HandshakeListener:
             )
             return HandshakeRefused(reason), "refused", nonce
         if request.compat_hash != payload.compat_hash:
+            g = payload.geometry
             reason = (
                 f"compat hash mismatch: you have {request.compat_hash}, "
                 f"{request.agent!r} has {payload.compat_hash} (model, dtype, attention geometry, "
-                f"mode or wire version differ)"
+                f"mode or wire version differ; {request.agent!r} runs {payload.mode}, "
+                f"{g.num_layers} layers, {g.num_kv_heads} KV heads of {g.head_dim}, "
+                f"{g.dtype_bytes}-byte values, {'MLA, ' if g.mla else ''}"
+                f"{g.kv_layout} pages)"
             )
             return HandshakeRefused(reason), "refused", nonce
         if request.requester:

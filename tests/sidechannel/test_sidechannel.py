@@ -182,6 +182,7 @@ def test_hash_mismatch_is_refused_naming_both_hashes(listener: HandshakeListener
     with pytest.raises(HandshakeError, match="compat hash mismatch") as info:
         _fetch(listener.port, compat_hash=other)
     assert other in str(info.value) and HASH in str(info.value)
+    assert "HND pages" in str(info.value)  # what the listener runs, so the asker can compare
     assert listener.counters == {"refused": 1}
 
 
