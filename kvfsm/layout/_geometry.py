@@ -46,6 +46,10 @@ class KvGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """K and V in separate regions per layer (True) or one joint region per layer (False)."""
     mla: bool = False
     """Latent KV replicated on every TP rank: no head split."""
+    interleaved: bool = False
+    """Blocks outermost (vLLM's BLHNC, BLNHC): a block's pages of every layer lie together, one
+    after the other, so region `l` starts `l * block_len` after region 0 and its blocks are
+    `block_stride` apart. False: each region is its blocks back to back."""
     kv_layout: str = "HND"
     """Order inside a block: "HND" (K segment then V segment, each heads, then tokens: a run of
     heads is contiguous, as a head split between different TP sizes needs), "NHD" (tokens, then
@@ -124,8 +128,14 @@ class KvGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         return self.bytes_per_token * self.block_size
 
     @property
+    def block_stride(self) -> int:
+        """Bytes from one block of a region to the next: `block_len`, or with interleaved
+        layers every layer's page of the block."""
+        return self.block_len * (self.num_regions if self.interleaved else 1)
+
+    @property
     def region_bytes(self) -> int:
-        """Bytes of one region: every block of it."""
+        """Bytes of one region: every block of it (spread over the cache when interleaved)."""
         return self.block_len * self.num_blocks
 
     @property
@@ -145,7 +155,7 @@ def _problems(g: KvGeometry) -> list[str]:
             positive_int(getattr(g, name), name)
         except ValueError as exc:
             problems.append(str(exc))
-    for name in ("split_kv", "mla"):
+    for name in ("split_kv", "mla", "interleaved"):
         if not isinstance(getattr(g, name), bool):
             problems.append(f"{name} must be a bool, got {getattr(g, name)!r}")
     if problems:
@@ -166,6 +176,8 @@ def _problems(g: KvGeometry) -> list[str]:
         problems.append(
             f"{g.kv_layout} keeps each token's K and V together: split_kv must be False"
         )
+    if g.interleaved and g.split_kv:
+        problems.append("interleaved layers keep each layer's K and V together: split_kv False")
     if g.mla and g.split_kv:
         problems.append("MLA keeps one latent KV region per layer: split_kv must be False")
     return problems

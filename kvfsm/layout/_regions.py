@@ -34,6 +34,8 @@ class BlockSlice(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
       (needed for a head slice, and to pair with a peer that registers K and V apart).
     * `per_head`: one plane per head (and K/V segment, segments first): a peer whose blocks hold
       another number of tokens pairs with this side head by head.
+    * `fuse_layers`: with interleaved layers, one row per whole block of every layer (one plane
+      in all): `num_layers` times fewer rows, for a peer whose blocks are laid out alike.
     """
 
     subdivide: int = 1
@@ -41,6 +43,7 @@ class BlockSlice(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     num_heads: int | None = None
     split_segments: bool = False
     per_head: bool = False
+    fuse_layers: bool = False
 
 
 class _Cut(NamedTuple):
@@ -70,6 +73,11 @@ def _cut(g: KvGeometry, part: BlockSlice) -> _Cut:
         raise ValueError(
             f"a head slice of NHC blocks is cut per token: subdivide by {g.block_size}"
         )
+    if part.fuse_layers and not (g.interleaved and k == 1 and n == g.heads_per_rank):
+        raise ValueError("only whole blocks of interleaved layers fuse into one row per block")
+    if part.fuse_layers:
+        whole = g.block_stride  # every layer's page of the block
+        return _Cut(g.num_blocks, 1, whole, whole, np.zeros(1, np.int64), whole)
     segments = np.arange(g.segments_per_block, dtype=np.int64) * g.segment_len
     heads_first = not g.tokens_first
     if part.per_head or (k > 1 and heads_first and g.heads_per_rank > 1):
@@ -77,20 +85,21 @@ def _cut(g: KvGeometry, part: BlockSlice) -> _Cut:
             raise ValueError("sub-blocks of heads-first blocks are one run per head: per_head")
         heads = (part.first_head + np.arange(n, dtype=np.int64)) * g.head_bytes
         planes = (segments[:, None] + heads[None, :]).ravel()
-        return _Cut(g.num_blocks * k, k, g.block_len, g.head_bytes // k, planes, g.head_bytes // k)
+        head = g.head_bytes // k
+        return _Cut(g.num_blocks * k, k, g.block_stride, head, planes, head)
     if part.split_segments or g.segments_per_block == 1:
         # One run per segment and sub-block: the slice's heads (heads first), or the
         # sub-block's tokens, whole heads or one token's heads of NHC (tokens first).
         sub = g.segment_len // k
         head = g.head_bytes // k if heads_first else sub // g.heads_per_rank
         offset = segments + part.first_head * head
-        return _Cut(g.num_blocks * k, k, g.block_len, sub, offset, n * head)
+        return _Cut(g.num_blocks * k, k, g.block_stride, sub, offset, n * head)
     if n != g.heads_per_rank:
         # In a joint block the K heads and V heads of a slice are two separate ranges.
         raise ValueError("a head slice of joint K/V blocks needs split_segments=True")
     if k > 1:
         raise ValueError("sub-blocks of joint K/V blocks are one run per segment: split_segments")
-    return _Cut(g.num_blocks, 1, g.block_len, g.block_len, np.zeros(1, np.int64), g.block_len)
+    return _Cut(g.num_blocks, 1, g.block_stride, g.block_len, np.zeros(1, np.int64), g.block_len)
 
 
 class RegionLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -120,6 +129,13 @@ class RegionLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if isinstance(self.device, bool) or not isinstance(self.device, int) or self.device < 0:
             raise ValueError(f"device must be an integer >= 0, got {self.device!r}")
         bases = as_ids(np.asarray(self.base_addresses), None, "base addresses")
+        if g.interleaved:
+            steps = np.diff(bases)
+            if steps.size and np.any(steps != g.block_len):
+                raise ValueError(
+                    f"interleaved regions must lie one page ({g.block_len} bytes) apart, in order"
+                )
+            return
         ordered = np.sort(bases)
         clash = np.flatnonzero(ordered[1:] < ordered[:-1] + g.region_bytes)
         if clash.size:
@@ -129,10 +145,13 @@ class RegionLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             )
 
     def regions(self) -> Int64Array:
-        """Rows (base, region bytes, dev), one per region: what to register with NIXL."""
-        rows = np.empty((self.geometry.num_regions, 3), dtype=np.int64)
-        rows[:, 0] = self.base_addresses
-        rows[:, 1] = self.geometry.region_bytes
+        """Rows (base, bytes, dev) of the memory to register with NIXL: one per region, or one
+        span holding every region when they are interleaved."""
+        g = self.geometry
+        count = 1 if g.interleaved else g.num_regions
+        rows = np.empty((count, 3), dtype=np.int64)
+        rows[:, 0] = self.base_addresses[:count]
+        rows[:, 1] = g.kv_bytes if g.interleaved else g.region_bytes
         rows[:, 2] = self.device
         return rows
 
@@ -143,8 +162,9 @@ class RegionLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         `region * num_blocks + block`. With `part`, the rows of that slice, numbered as
         `slice_ids` says.
         """
-        cut = _cut(self.geometry, part or BlockSlice())
-        bases = np.asarray(self.base_addresses, dtype=np.int64)
+        part = part or BlockSlice()
+        cut = _cut(self.geometry, part)
+        bases = np.asarray(self.base_addresses[: 1 if part.fuse_layers else None], dtype=np.int64)
         plane_start = (bases[:, None] + cut.planes[None, :]).ravel()
         u = np.arange(cut.rows_per_plane, dtype=np.int64)
         units = (u // cut.k) * cut.block_len + (u % cut.k) * cut.sub_stride
@@ -197,6 +217,10 @@ def slice_rows(
 ) -> SliceRows:
     """The row mapping of `slice_ids` for `part` of `geometry`'s blocks in `layers` (all)."""
     cut = _cut(geometry, part)
+    if part.fuse_layers:  # one plane: every layer's page of a block in one row
+        if layers is not None:
+            raise ValueError("fused rows cover every layer: no layer subset")
+        return SliceRows(np.zeros((1, 1), dtype=np.int64), cut.rows_per_plane)
     if layers is None:
         chosen = np.arange(geometry.num_layers, dtype=np.int64)
     else:

@@ -253,6 +253,8 @@ def _pairing(local: KvGeometry, remote: KvGeometry, local_k: int, remote_k: int)
     ratio = local_k > 1 or remote_k > 1
     split = ratio or not (whole and local.split_kv == remote.split_kv)
     per_head = ratio and not local.tokens_first and count > 1
+    # Both sides' blocks hold every layer's pages together, alike: one row per block.
+    fuse = whole and not split and local.interleaved and remote.interleaved
     # Tokens first (NHC): a head slice is one run per token, so both sides cut to tokens.
     per_token = min(local.block_size, remote.block_size) if local.kv_layout == "NHC" else 1
     per_token = 1 if whole else per_token
@@ -268,6 +270,7 @@ def _pairing(local: KvGeometry, remote: KvGeometry, local_k: int, remote_k: int)
             num_heads=count,
             split_segments=split,
             per_head=per_head,
+            fuse_layers=fuse,
         ),
         remote=BlockSlice(
             subdivide=remote_k * per_token,
@@ -275,6 +278,7 @@ def _pairing(local: KvGeometry, remote: KvGeometry, local_k: int, remote_k: int)
             num_heads=count,
             split_segments=split,
             per_head=per_head,
+            fuse_layers=fuse,
         ),
     )
 

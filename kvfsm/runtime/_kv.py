@@ -34,11 +34,11 @@ class KvCache:
             )
         if len({(s.device, s.mem_type) for s in spans}) != 1:
             raise ValueError("every KV buffer of one rank must be on the same device")
+        if g.interleaved and len(spans) != 1:
+            raise ValueError("interleaved regions share one buffer: give the whole cache")
         if len(spans) == 1:
-            need, bases = (
-                g.kv_bytes,
-                [spans[0].address + i * g.region_bytes for i in range(g.num_regions)],
-            )
+            step = g.block_len if g.interleaved else g.region_bytes
+            need, bases = g.kv_bytes, [spans[0].address + i * step for i in range(g.num_regions)]
         else:
             need, bases = g.region_bytes, [s.address for s in spans]
         wrong = [i for i, s in enumerate(spans) if s.nbytes != need]
@@ -69,10 +69,16 @@ class KvCache:
         return self.geometry.block_len * self.geometry.num_regions
 
     def regions(self) -> list[npt.NDArray[np.uint8]]:
-        """A byte view of each region (host memory only)."""
+        """A byte view of each region (host memory only): flat, or (blocks, block bytes) when
+        the regions are interleaved."""
         if self.mem_type != "DRAM":
             raise TypeError(f"the regions of {self.mem_type} memory are not visible from the host")
-        size = self.geometry.region_bytes
+        g = self.geometry
+        size = g.region_bytes
+        if g.interleaved:
+            whole = _host_bytes(self.layout.base_addresses[0], g.kv_bytes)
+            pages = whole.reshape(g.num_blocks, g.num_regions, g.block_len)
+            return [pages[:, i, :] for i in range(g.num_regions)]
         if len(self.buffers) == 1 and isinstance(self.buffers[0], np.ndarray):
             whole = self.buffers[0]
             return [whole[i * size : (i + 1) * size] for i in range(self.geometry.num_regions)]

@@ -201,12 +201,14 @@ class Ledger:
             return []
         held, kv = self._holding.get(agent, Counter()), engine.kv
         touched: set[int] = set()
+        g = kv.geometry
+        stride, size = g.block_stride, g.block_stride * g.num_blocks  # a region's extent
         for region in kv.regions():
-            base, size = region.ctypes.data, region.nbytes
-            block = size // kv.geometry.num_blocks
+            base = region.ctypes.data
             for start, end in ranges:
-                if base <= start < base + size:
-                    touched.update(range((start - base) // block, (end - 1 - base) // block + 1))
+                # With interleaved regions a range in another layer's page is not this one's.
+                if base <= start < base + size and (start - base) % stride < g.block_len:
+                    touched.update(range((start - base) // stride, (end - 1 - base) // stride + 1))
         return sorted(b for b in touched if held[b] <= 0)
 
     def _check_no_early_free(self, agent: str, pr: PairedRequest) -> None:
@@ -277,10 +279,10 @@ class Ledger:
 
 def _overlaps(ranges: list[tuple[int, int]], kv: KvCache, blocks: np.ndarray) -> bool:
     """Whether any byte range [start, end) (host addresses) touches one of `blocks` in `kv`."""
+    g = kv.geometry
     for region in kv.regions():
-        base, block = region.ctypes.data, region.nbytes // kv.geometry.num_blocks
-        starts = base + blocks.astype(np.int64) * block
+        starts = region.ctypes.data + blocks.astype(np.int64) * g.block_stride
         for start, end in ranges:
-            if np.any((starts < end) & (start < starts + block)):
+            if np.any((starts < end) & (start < starts + g.block_len)):
                 return True
     return False

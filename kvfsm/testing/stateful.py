@@ -199,6 +199,7 @@ def machine_for(
     and guarded against replays)."""
     name = f"LifecycleMachine_{mode}_{p_tp}x{d_tp}" + ("_mla" if geometry.mla else "")
     name += "" if geometry.kv_layout == "HND" else f"_{geometry.kv_layout}"
+    name += "_interleaved" if geometry.interleaved else ""
     name += f"_d{d_block_size}" if d_block_size else ""
     name += "_skewed" if clock_skew else ""
     name += "_sealed" if secret else ""

@@ -11,13 +11,17 @@ one backend's:
 * LBNHC (vLLM's first choice where no backend declares a set): each layer one contiguous region,
   each block its tokens one after the other: kvfsm's "NHC" pages; a head slice is one run per
   token.
+* BLHNC, BLNHC (blocks outermost): the same pages, every layer's page of a block together, so
+  the cache is one region span ("interleaved"); between two such engines a whole block of every
+  layer moves as one row.
 * MLA (recognised by the model, not the tensor's rank): `[B, 1, N, latent]`, one latent region
-  per layer, replicated on every TP rank; any layout that keeps a layer contiguous.
+  per layer, replicated on every TP rank; layers outermost or blocks outermost.
 * The legacy split `(2, num_blocks, block_size, heads, head_dim)`: K and V in two halves of the
   layer's tensor, tokens first: split K/V regions, "NHD".
 
-Any other layout is refused at start-up in one line that names it and the setting that fixes
-it (`VLLM_KV_CACHE_LAYOUT=LBHNC`); so is a kernel-block split of the scheduler's blocks.
+Any other layout (LHBNC and BHLNC for attention: a layer's page of a block is not one run) is
+refused at start-up in one line that names it and the setting that fixes it
+(`VLLM_KV_CACHE_LAYOUT=LBHNC`); so is a kernel-block split of the scheduler's blocks.
 
 With several KV cache groups (sliding window beside full attention), vLLM overlays one layer of
 each group on the same tensor (a block id belongs to one group at a time): such aliases are one
@@ -66,7 +70,9 @@ def layout_of(view: Any) -> str:
         return "LBHNC" if heads_outer or h == 1 else "LBNHC"
     if sb == n * c and sh == b * n * c:
         return "LHBNC"
-    if not heads_outer and h > 1:
+    if h == 1:  # one head: the block-outermost layouts hold the same bytes
+        return "BLHNC"
+    if not heads_outer:
         return "BLNHC"
     return "BLHNC" if sh == n * c else "BHLNC"
 
@@ -95,26 +101,8 @@ def geometry_of(
     shape = shapes.pop()
     common = {"num_layers": len(tensors), "dtype_bytes": tensors[0].element_size()}
     common |= {"tp_size": tp_size, "tp_rank": tp_rank}
-    fields: dict[str, Any]
-    if mla:
-        num_blocks, tokens, latent = _latent_shape(shape)
-        fields = {"num_blocks": num_blocks, "block_size": tokens, "head_dim": latent}
-        fields |= {"num_kv_heads": 1, "mla": True}
-        num_kv_heads = 1
-        buffers = [_dense_layer(t) for t in tensors]
-    elif len(shape) == 4:  # [B, H, N, C]: LBHNC (kvfsm's HNC pages) or LBNHC (NHC)
-        page_layout = _page_layout(tensors[0])
-        num_blocks, heads, tokens, width = shape
-        fields = {"num_blocks": num_blocks, "block_size": tokens, "head_dim": width // 2}
-        fields |= {"num_kv_heads": heads * tp_size, "kv_layout": page_layout}
-        buffers = tensors if page_layout == "HNC" else [_layer_region(t) for t in tensors]
-    elif len(shape) == 5 and shape[0] == 2:  # K and V halves, tokens first
-        _, num_blocks, tokens, heads, head_dim = shape
-        fields = {"num_blocks": num_blocks, "block_size": tokens, "head_dim": head_dim}
-        fields |= {"num_kv_heads": heads * tp_size, "kv_layout": "NHD", "split_kv": True}
-        buffers = [half for t in tensors for half in (t[0], t[1])]
-    else:
-        raise LayoutError(f"KV cache tensors of shape {shape} are not a layout kvfsm knows")
+    fields, buffers = _read(shape, tensors, tp_size, mla)
+    num_kv_heads = 1 if mla else num_kv_heads
     if fields["block_size"] != block_size:
         raise LayoutError(
             f"the attention backend splits the scheduler's {block_size}-token blocks into"
@@ -126,27 +114,81 @@ def geometry_of(
             f"{fields['num_kv_heads'] // tp_size} KV heads per rank x TP {tp_size} is not the"
             f" model's {num_kv_heads}: replicated KV heads are not supported"
         )
-    _check_buffers(names, buffers)
+    _check_buffers(names[:1] if len(buffers) == 1 else names, buffers)
     return KvGeometry(**common, **fields), buffers
 
 
-# vLLM's layer-outermost layouts kvfsm moves, by the page layout inside a block.
-_PAGE_LAYOUTS = {"LBHNC": "HNC", "LBNHC": "NHC"}
+def _read(
+    shape: tuple[int, ...], tensors: list[Any], tp_size: int, mla: bool
+) -> tuple[dict[str, Any], list[Any]]:
+    """The geometry's fields that the tensors say, and the buffers that hold its regions."""
+    fields: dict[str, Any]
+    if mla:
+        num_blocks, tokens, latent = _latent_shape(shape)
+        fields = {"num_blocks": num_blocks, "block_size": tokens, "head_dim": latent}
+        fields |= {"num_kv_heads": 1, "mla": True}
+        interleaved = _is_interleaved(tensors[0]) if len(shape) == 4 else False
+        buffers = [_span(tensors)] if interleaved else [_dense_layer(t) for t in tensors]
+        return fields | {"interleaved": interleaved}, buffers
+    if len(shape) == 4:  # [B, H, N, C] in one of the layouts kvfsm moves
+        page_layout, interleaved = _page_layout(tensors[0])
+        num_blocks, heads, tokens, width = shape
+        fields = {"num_blocks": num_blocks, "block_size": tokens, "head_dim": width // 2}
+        fields |= {"num_kv_heads": heads * tp_size, "kv_layout": page_layout}
+        if interleaved:
+            return fields | {"interleaved": True}, [_span(tensors)]
+        return fields, tensors if page_layout == "HNC" else [_layer_region(t) for t in tensors]
+    if len(shape) == 5 and shape[0] == 2:  # K and V halves, tokens first
+        _, num_blocks, tokens, heads, head_dim = shape
+        fields = {"num_blocks": num_blocks, "block_size": tokens, "head_dim": head_dim}
+        fields |= {"num_kv_heads": heads * tp_size, "kv_layout": "NHD", "split_kv": True}
+        return fields, [half for t in tensors for half in (t[0], t[1])]
+    raise LayoutError(f"KV cache tensors of shape {shape} are not a layout kvfsm knows")
 
 
-def _page_layout(view: Any) -> str:
-    """kvfsm's page layout of a layer's `[B, H, N, C]` view; the layouts kvfsm does not move
-    are refused, naming the layout and the fix."""
+# vLLM's layouts kvfsm moves: the page layout inside a block, and whether blocks come first
+# (every layer's page of a block together).
+_PAGE_LAYOUTS = {
+    "LBHNC": ("HNC", False), "LBNHC": ("NHC", False),
+    "BLHNC": ("HNC", True), "BLNHC": ("NHC", True),
+}  # fmt: skip
+
+
+def _page_layout(view: Any) -> tuple[str, bool]:
+    """kvfsm's page layout of a layer's `[B, H, N, C]` view and whether layers interleave; the
+    layouts kvfsm does not move are refused, naming the layout and the fix."""
     name = "LBHNC" if view.is_contiguous() else layout_of(view)
     if name in _PAGE_LAYOUTS:
         return _PAGE_LAYOUTS[name]
     raise LayoutError(
-        f"vLLM laid the KV cache out as {name}; kvfsm moves {' and '.join(_PAGE_LAYOUTS)} and"
-        f" asks vLLM for {REQUIRED_LAYOUT}: the attention backend admits neither, or"
+        f"vLLM laid the KV cache out as {name}; kvfsm moves {', '.join(_PAGE_LAYOUTS)} and"
+        f" asks vLLM for {REQUIRED_LAYOUT}: the attention backend admits none of them, or"
         f" VLLM_KV_CACHE_LAYOUT chose another. Set VLLM_KV_CACHE_LAYOUT={REQUIRED_LAYOUT} (or"
         f" leave it unset), or choose an attention backend that admits {REQUIRED_LAYOUT}"
         " (docs/vllm.md lists them)"
     )
+
+
+def _is_interleaved(view: Any) -> bool:
+    """Whether a layer's blocks lie further apart than its page (blocks outermost)."""
+    b, h, n, c = view.shape
+    return bool(b > 1 and view.stride(0) > h * n * c)
+
+
+def _span(views: list[Any]) -> Any:
+    """Block-outermost layers' views as the one contiguous tensor they share: layer `l`'s page
+    of block `b` at `(b * layers + l) * page` (refused if vLLM placed them otherwise)."""
+    first = views[0]
+    page = first[0].numel()
+    if first.stride(0) != page * len(views) or any(
+        v.data_ptr() != first.data_ptr() + i * page * first.element_size()
+        for i, v in enumerate(views)
+    ):
+        raise LayoutError(
+            f"the KV pages (strides {first.stride()}) are not laid out block by block, layer by"
+            f" layer; set VLLM_KV_CACHE_LAYOUT={REQUIRED_LAYOUT}"
+        )
+    return first.as_strided((first.shape[0] * page * len(views),), (1,))
 
 
 def _layer_region(view: Any) -> Any:
@@ -170,15 +212,10 @@ def _latent_shape(shape: tuple[int, ...]) -> tuple[int, int, int]:
 
 def _dense_layer(view: Any) -> Any:
     """An MLA layer's view, which is contiguous in any layer-outermost layout (its one head
-    makes LBHNC, LBNHC and LHBNC the same bytes); refused otherwise."""
+    makes LBHNC, LBNHC and LHBNC the same bytes)."""
     if view.is_contiguous():
         return view
-    name = layout_of(view) if view.dim() == 4 else "an unknown layout"
-    raise LayoutError(
-        f"vLLM laid the MLA KV cache out as {name}, block-outermost: kvfsm moves a"
-        f" layer-outermost layout; set VLLM_KV_CACHE_LAYOUT={REQUIRED_LAYOUT}, or choose an"
-        " attention backend that admits it (docs/vllm.md lists them)"
-    )
+    raise LayoutError(f"an MLA layer's KV is not one dense region (strides {view.stride()})")
 
 
 def page_geometry_of(

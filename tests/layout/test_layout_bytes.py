@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -37,6 +38,11 @@ class _Memory:
         self.top = 64  # leave a gap at 0 so an address of 0 would be a visible bug
 
     def place(self, g: KvGeometry) -> RegionLayout:
+        if g.interleaved:  # every layer's page of a block together: one span
+            bases = [self.top + i * g.block_len for i in range(g.num_regions)]
+            self.top += g.kv_bytes + 32
+            assert self.top < self.data.nbytes
+            return RegionLayout(g, tuple(bases))
         bases = []
         for _ in range(g.num_regions):
             bases.append(self.top)
@@ -60,7 +66,7 @@ def _element(
     region, seg = (layer * 2 + kv, 0) if g.split_kv else (layer, kv)
     block, token = unit // k, (unit % k) * (g.block_size // k) + slot
     heads = g.heads_per_rank
-    block_start = layout.base_addresses[region] + block * g.block_len
+    block_start = layout.base_addresses[region] + block * g.block_stride
     if g.kv_layout == "NHC":  # tokens, then heads, then each head's K and V side by side
         inner = ((token * heads + head) * g.values_per_token + kv) * g.head_dim + dim
     elif g.kv_layout == "HNC":  # heads, then tokens, then the token's K and V side by side
@@ -93,15 +99,21 @@ def _cells(layout: RegionLayout, k: int, units: npt.NDArray[np.int64], small_bs:
 
 def _run(
     p_tp: int, d_tp: int, p_bs: int, d_bs: int, p_split: bool, d_split: bool, mla: bool, pull: bool,
-    kv_layout: str = "HND",
+    kv_layout: str = "HND", interleaved: tuple[bool, bool] = (False, False),
 ) -> int:  # fmt: skip
     heads = 1 if mla else 12
     common: dict[str, Any] = dict(
         num_layers=_LAYERS, num_kv_heads=heads, head_dim=_HEAD_DIM, dtype_bytes=4, mla=mla,
         kv_layout=kv_layout,
     )  # fmt: skip
-    p_geo = KvGeometry(**common, block_size=p_bs, num_blocks=8, tp_size=p_tp, split_kv=p_split)
-    d_geo = KvGeometry(**common, block_size=d_bs, num_blocks=9, tp_size=d_tp, split_kv=d_split)
+    p_geo = KvGeometry(
+        **common, block_size=p_bs, num_blocks=8, tp_size=p_tp, split_kv=p_split,
+        interleaved=interleaved[0],
+    )  # fmt: skip
+    d_geo = KvGeometry(
+        **common, block_size=d_bs, num_blocks=9, tp_size=d_tp, split_kv=d_split,
+        interleaved=interleaved[1],
+    )  # fmt: skip
     mem = _Memory()
     p_layouts = [mem.place(p_geo.for_rank(r)) for r in range(p_tp)]
     d_layouts = [mem.place(d_geo.for_rank(r)) for r in range(d_tp)]
@@ -183,6 +195,41 @@ def test_nhc_pages_land_in_place(p_tp: int, d_tp: int, p_bs: int, d_bs: int, pul
     # vLLM's LBNHC block interior: tokens, each token's heads, each head's K and V side by
     # side. Head slices (TP sizes differ) move one run per token.
     _run(p_tp, d_tp, p_bs, d_bs, False, False, mla=False, pull=pull, kv_layout="NHC")
+
+
+_INTERLEAVED = [(True, True), (True, False), (False, True)]
+
+
+@pytest.mark.parametrize("pull", [True, False], ids=["pull", "push"])
+@pytest.mark.parametrize("interleaved", _INTERLEAVED, ids=["both", "P", "D"])
+@pytest.mark.parametrize("kv_layout", ["HNC", "NHC"])
+@pytest.mark.parametrize(("p_bs", "d_bs"), _BLOCKS, ids=lambda v: str(v))
+@pytest.mark.parametrize(("p_tp", "d_tp"), _TP[:5], ids=lambda v: str(v))
+def test_interleaved_layers_land_in_place(
+    p_tp: int, d_tp: int, p_bs: int, d_bs: int, kv_layout: str,
+    interleaved: tuple[bool, bool], pull: bool,
+) -> None:  # fmt: skip
+    # vLLM's BLHNC and BLNHC: a block of every layer's pages together, beside LBHNC/LBNHC peers.
+    _run(p_tp, d_tp, p_bs, d_bs, False, False, False, pull, kv_layout, interleaved)
+
+
+def test_interleaved_whole_blocks_move_one_row_per_block() -> None:
+    # Equal TP and block size, both sides interleaved: one row per block over all layers,
+    # num_layers times fewer than per layer (before merging adjacent ones).
+    d = KvGeometry(
+        num_layers=4, num_kv_heads=2, head_dim=2, dtype_bytes=2, block_size=4, num_blocks=8,
+        kv_layout="HNC", interleaved=True,
+    )  # fmt: skip
+    (pairing,) = plan_pairings(d, d).pairings
+    assert pairing.local.fuse_layers and pairing.remote.fuse_layers
+    lids, rids = pairing.transfer_ids([5, 2, 7], [1, 2, 3])
+    assert lids.tolist() == [5, 2, 7] and rids.tolist() == [1, 2, 3]
+    layout = RegionLayout(d, tuple(4096 + i * d.block_len for i in range(4)))
+    rows = pairing.local_descriptors(layout)
+    assert rows[5].tolist() == [4096 + 5 * d.block_stride, 4 * d.block_len, 0]
+    flat = msgspec.structs.replace(d, interleaved=False)
+    (per_layer,) = plan_pairings(d, flat).pairings
+    assert len(per_layer.transfer_ids([5, 2, 7], [1, 2, 3])[0]) == 4 * 3
 
 
 def test_equal_geometry_coalesces_to_few_descriptors() -> None:

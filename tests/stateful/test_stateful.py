@@ -23,6 +23,7 @@ _NOISY = SimFaults(
     reorder_notif=0.05,
 )
 _NHC = msgspec.structs.replace(SMALL_GEOMETRY, kv_layout="NHC")
+_BLHNC = msgspec.structs.replace(SMALL_GEOMETRY, kv_layout="HNC", interleaved=True)
 # A deployment's shared secret: the noisy fabrics below reorder, delay and duplicate sealed
 # notifications, and only the duplicates may be refused as replays.
 _SECRET = SharedSecret(b"stateful-programs-shared-secret")
@@ -50,6 +51,8 @@ MACHINES = (
     # vLLM's LBNHC pages (tokens first): head slices move one run per token.
     machine_for("push", 2, 1, _SLOW, geometry=_NHC),
     machine_for("pull", 1, 2, _NOISY, geometry=_NHC, d_block_size=8),
+    # vLLM's BLHNC: every layer's page of a block together.
+    machine_for("push", 1, 2, _SLOW, geometry=_BLHNC, d_block_size=8),
 )
 TestPush, TestPull, TestPushSlow, TestPullSlow = (m.TestCase for m in MACHINES[:4])
 TestPushOneToTwo, TestPullTwoToOne, TestPushTwoToOne, TestPullOneToTwo = (
@@ -59,7 +62,7 @@ TestPushMla, TestPullMla, TestPushBigDBlocks, TestPullBigDBlocks = (
     m.TestCase for m in MACHINES[8:12]
 )
 TestPushLateBytes, TestPullLateBytes = (m.TestCase for m in MACHINES[12:14])
-TestPushNhc, TestPullNhcBigDBlocks = (m.TestCase for m in MACHINES[14:])
+TestPushNhc, TestPullNhcBigDBlocks, TestPushBlhnc = (m.TestCase for m in MACHINES[14:])
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])

@@ -1,7 +1,7 @@
 """vLLM 0.32's GPU KV cache layouts, made on host memory by vLLM's own code
 (`create_kv_cache_views`, what the GPU model runner calls): the connector names each layout from
-the tensors' strides, takes the one it asks vLLM for (LBHNC), LBNHC (tokens first) and MLA in
-any layer-outermost layout, and refuses the rest at start-up in one line naming the layout and the setting that
+the tensors' strides, takes the one it asks vLLM for (LBHNC), LBNHC (tokens first), BLHNC and
+BLNHC (blocks outermost) and MLA in all of them, and refuses the rest at start-up in one line naming the layout and the setting that
 fixes it. vLLM's own `resolve_kv_cache_layout`, given each GPU backend's declared layouts and
 KvfsmConnector's request, resolves to LBHNC wherever the backend admits it."""
 
@@ -83,7 +83,17 @@ def test_lbnhc_is_taken_as_tokens_first_pages() -> None:
     assert buffers[1].numel() * buffers[1].element_size() == g.region_bytes
 
 
-_MOVED = ("LBHNC", "LBNHC")
+_MOVED = ("LBHNC", "LBNHC", "BLHNC", "BLNHC")
+
+
+@pytest.mark.parametrize(("name", "page"), [("BLHNC", "HNC"), ("BLNHC", "NHC")])
+def test_blocks_outermost_are_one_interleaved_span(name: str, page: str) -> None:
+    views = _views(_attention(), KVCacheLayout[name])
+    g, buffers = _geometry(views)
+    assert (g.kv_layout, g.interleaved, g.num_layers) == (page, True, LAYERS)
+    (span,) = buffers
+    assert span.data_ptr() == views["model.layers.0.self_attn.attn"].data_ptr()
+    assert span.numel() * span.element_size() == g.kv_bytes == g.block_stride * BLOCKS
 
 
 @pytest.mark.parametrize(
@@ -110,9 +120,10 @@ def test_mla_is_read_by_the_model_in_any_layer_outermost_layout(layout: KVCacheL
 @pytest.mark.parametrize(
     "layout", [x for x in KVCacheLayout if x.is_block_outermost], ids=lambda x: x.name
 )
-def test_mla_block_outermost_is_refused_naming_the_fix(layout: KVCacheLayout) -> None:
-    with pytest.raises(LayoutError, match=r"block-outermost.*VLLM_KV_CACHE_LAYOUT=LBHNC"):
-        _geometry(_views(_mla(), layout), heads=1, mla=True)
+def test_mla_blocks_outermost_is_one_interleaved_span(layout: KVCacheLayout) -> None:
+    # One head: BLHNC, BLNHC and BHLNC put the same bytes in the same places.
+    g, buffers = _geometry(_views(_mla(), layout), heads=1, mla=True)
+    assert g.mla and g.interleaved and len(buffers) == 1
 
 
 def test_kernel_blocks_are_refused_naming_the_block_size_that_fixes_it() -> None:
@@ -160,7 +171,7 @@ def test_vllm_resolves_the_layout_kvfsm_asks_for_wherever_the_backend_admits_it(
         assert layout is _L.LBHNC
     elif layout.name in _MOVED:  # the backend's own choice, which kvfsm moves too
         assert layout is declared[0]
-        assert _geometry(_views(_attention(), layout))[0].kv_layout == "NHC"
+        assert _geometry(_views(_attention(), layout))[0].kv_layout in ("HNC", "NHC")
     else:  # the connector refuses what vLLM made, at start-up, in one line
         assert layout is declared[0]
         with pytest.raises(LayoutError, match=f"as {layout.name}; "):

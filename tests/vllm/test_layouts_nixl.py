@@ -2,7 +2,8 @@
 them, here on host memory), read by the connector's `geometry_of`, registered with real NIXL
 agents and moved P -> D by kvfsm engines, push and pull: every byte of every token D should hold
 is compared through vLLM's logical `[B, H, N, C]` views, whatever the layout. TP sizes differ
-(head slices), D's blocks hold twice P's tokens, D has a prefix-cache hit; FP16, FP8 and MLA."""
+(head slices), D's blocks hold twice P's tokens, D has a prefix-cache hit; FP16, FP8 and MLA;
+blocks outermost on one side or both (one row per block)."""
 
 from __future__ import annotations
 
@@ -118,8 +119,10 @@ def _spec(block_size: int, heads: int, dtype: torch.dtype, mla: bool) -> Any:
 def _move(
     mode: Mode, layout: KVCacheLayout, p_tp: int, d_tp: int, p_bs: int, d_bs: int, *,
     dtype: torch.dtype = torch.float16, mla: bool = False, hit: int = 0, tokens: int = 45,
-) -> None:  # fmt: skip
-    """Move one request of `tokens` tokens P -> D; D already holds its first `hit` blocks."""
+    d_layout: KVCacheLayout | None = None,
+) -> int:  # fmt: skip
+    """Move one request of `tokens` tokens P -> D (D in `d_layout`, default P's); D already
+    holds its first `hit` blocks. Returns the descriptor rows the posting side posted."""
     n = next(_names)
     heads = 1 if mla else HEADS
     directory = LocalDirectory(time.monotonic)
@@ -131,7 +134,7 @@ def _move(
     ]  # fmt: skip
     d = [
         _Rank(Consumer(Identity(f"VD{n}", r, d_tp), mode),
-              _spec(d_bs, heads // d_tp if not mla else 1, dtype, mla), layout,
+              _spec(d_bs, heads // d_tp if not mla else 1, dtype, mla), d_layout or layout,
               heads=heads, mla=mla, directory=directory)
         for r in range(d_tp)
     ]  # fmt: skip
@@ -160,12 +163,14 @@ def _move(
         assert set(finished.values()) == {"done"}, finished
         for rank in d:
             assert _check(rank, d_blocks, hit * d_bs, tokens) > 0
+        posting = p if mode == "push" else d
+        return sum(rank.engine.counters["descriptors"] for rank in posting)
     finally:
         for rank in p + d:
             rank.close()
 
 
-_LAYOUTS = [KVCacheLayout.LBHNC, KVCacheLayout.LBNHC]
+_LAYOUTS = [KVCacheLayout.LBHNC, KVCacheLayout.LBNHC, KVCacheLayout.BLHNC, KVCacheLayout.BLNHC]
 
 
 @pytest.mark.parametrize("layout", _LAYOUTS, ids=lambda x: x.name)
@@ -184,7 +189,7 @@ def test_fp8_kv_and_a_d_prefix_hit(layout: KVCacheLayout, mode: Mode) -> None:
 
 
 @pytest.mark.parametrize(
-    "layout", [KVCacheLayout.LBHNC, KVCacheLayout.LBNHC, KVCacheLayout.LHBNC], ids=lambda x: x.name
+    "layout", [*_LAYOUTS, KVCacheLayout.LHBNC, KVCacheLayout.BHLNC], ids=lambda x: x.name
 )
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1)])
 def test_mla_arrives_whole_on_every_d_rank(layout: KVCacheLayout, p_tp: int, d_tp: int) -> None:
@@ -200,3 +205,23 @@ def test_d_blocks_twice_ps(layout: KVCacheLayout, mode: Mode) -> None:
 @pytest.mark.parametrize("layout", _LAYOUTS, ids=lambda x: x.name)
 def test_d_blocks_twice_ps_across_tp_with_a_prefix_hit(layout: KVCacheLayout) -> None:
     _move("push", layout, 2, 4, 16, 32, hit=1, tokens=70)
+
+
+@pytest.mark.parametrize(
+    ("p_layout", "d_layout"),
+    [(KVCacheLayout.BLHNC, KVCacheLayout.LBHNC), (KVCacheLayout.LBNHC, KVCacheLayout.BLNHC)],
+    ids=lambda x: x.name,
+)
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_blocks_outermost_beside_layers_outermost(
+    p_layout: KVCacheLayout, d_layout: KVCacheLayout, mode: Mode
+) -> None:
+    # The same page layout, blocks outermost on one side only: one row per layer and block.
+    _move(mode, p_layout, 1, 2, 16, 16, d_layout=d_layout)
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_blocks_outermost_on_both_sides_move_one_row_per_block(mode: Mode) -> None:
+    blocks = -(-45 // 16)
+    assert _move(mode, KVCacheLayout.BLHNC, 1, 1, 16, 16) == blocks
+    assert _move(mode, KVCacheLayout.LBHNC, 1, 1, 16, 16) == blocks * LAYERS

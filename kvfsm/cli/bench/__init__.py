@@ -12,7 +12,7 @@ import sys
 from kvfsm.cli._parsing import Commands
 from kvfsm.cli._render import bench_table, progress_bar
 from kvfsm.cli.bench._memory import MEMORIES, unavailable
-from kvfsm.cli.bench._run import VARIANTS, BenchOptions, run_bench, steps
+from kvfsm.cli.bench._run import LAYOUTS, VARIANTS, BenchOptions, run_bench, steps
 
 __all__ = ["BenchOptions", "add_command", "run_bench"]
 
@@ -64,6 +64,11 @@ def add_command(commands: Commands) -> None:
         "--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
         help="which variants run (raw and engine always do: b/a2 is the headline)",
     )  # fmt: skip
+    bench.add_argument(
+        "--layout", choices=LAYOUTS, default="LBHNC",
+        help="vLLM's KV cache layout of both caches: BL* keep a block's pages of every layer"
+        " together, and kvfsm moves such a block as one row (default: %(default)s)",
+    )  # fmt: skip
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(run=_execute)
 
@@ -80,7 +85,7 @@ def _execute(args: argparse.Namespace) -> int:
             more_inflight=tuple(args.inflight[1:]),
             control_in_flight=tuple(args.control_in_flight), control_total=args.control_total,
             ucx_error_handling=args.ucx_error_handling, repeat=args.repeat, memory=args.memory,
-            variants=tuple(args.variants),
+            variants=tuple(args.variants), layout=args.layout,
         )  # fmt: skip
     except ValueError as exc:
         print(f"kvfsm bench: {exc}", file=sys.stderr)

@@ -71,7 +71,7 @@ def bench_geometry(plan: BenchPlan) -> KvGeometry:
         )
     return KvGeometry(
         num_layers=plan.regions, num_kv_heads=1, head_dim=head_dim, dtype_bytes=_DTYPE,
-        block_size=_TOKENS, num_blocks=plan.num_blocks, mla=True,
+        block_size=_TOKENS, num_blocks=plan.num_blocks, mla=True, interleaved=plan.blocks_first,
     )  # fmt: skip
 
 

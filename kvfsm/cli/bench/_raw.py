@@ -74,6 +74,9 @@ class BenchPlan(msgspec.Struct, frozen=True, kw_only=True):
     """kvfsm's setting for its own variants; the vLLM-style anchor keeps NIXL's default."""
     memory: Memory = "dram"
     """Where both sides' KV caches are: host memory, or the CUDA device's."""
+    blocks_first: bool = False
+    """vLLM's BLHNC/BLNHC: every region's (layer's) page of a block lies together, blocks one
+    after the other; False: LBHNC/LBNHC, each region its blocks back to back."""
 
     def error_handling(self, variant: str) -> UcxErrorHandling:
         """The UCX error handling mode a variant's agents run with."""
@@ -96,6 +99,20 @@ class BenchPlan(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def bytes_per_request(self) -> int:
         return len(self.src[0]) * self.block_bytes * self.regions
+
+    def page_offset(
+        self, region: npt.NDArray[np.int64], block: npt.NDArray[np.int64]
+    ) -> npt.NDArray[np.int64]:
+        """Where a region's page of a block starts, from the start of the buffer."""
+        if self.blocks_first:
+            return (block * self.regions + region) * self.block_bytes
+        return region * self.region_bytes + block * self.block_bytes
+
+    def pages(self, buffer: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
+        """`buffer` as (regions, blocks, page bytes), whatever the layout (a view)."""
+        if self.blocks_first:
+            return buffer.reshape(self.num_blocks, self.regions, self.block_bytes).swapaxes(0, 1)
+        return buffer.reshape(self.regions, self.num_blocks, self.block_bytes)
 
 
 Allocation = Literal["contiguous", "fragmented", "realistic"]
@@ -162,7 +179,7 @@ def kv_buffer(plan: BenchPlan, source: bool) -> Any:
 def _rows(plan: BenchPlan, base: int, device: int) -> npt.NDArray[np.int64]:
     """One descriptor per block per region, region-major: row = region * num_blocks + block."""
     r, b = np.divmod(np.arange(plan.regions * plan.num_blocks), plan.num_blocks)
-    addr = base + r * plan.region_bytes + b * plan.block_bytes
+    addr = base + plan.page_offset(r, b)
     return np.stack(
         [addr, np.full_like(addr, plan.block_bytes), np.full_like(addr, device)], axis=1
     )
@@ -175,8 +192,7 @@ def _ids(plan: BenchPlan, blocks: list[int]) -> npt.NDArray[np.int64]:
 
 def check_sink(plan: BenchPlan, sink: npt.NDArray[np.uint8]) -> bool:
     """Every destination block of the sink holds its source block's bytes."""
-    source = buffer_of(plan, True).reshape(plan.regions, plan.num_blocks, plan.block_bytes)
-    got = sink.reshape(plan.regions, plan.num_blocks, plan.block_bytes)
+    source, got = plan.pages(buffer_of(plan, True)), plan.pages(sink)
     return all(
         np.array_equal(got[:, d], source[:, s]) for s, d in zip(plan.src, plan.dst, strict=True)
     )

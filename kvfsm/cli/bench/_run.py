@@ -25,7 +25,7 @@ from kvfsm.cli.bench._raw import BenchPlan, gbps, memcpy_gbps, plan_requests, ru
 from kvfsm.core import Mode
 from kvfsm.fabric import UcxErrorHandling
 
-__all__ = ["VARIANTS", "BenchOptions", "run_bench"]
+__all__ = ["LAYOUTS", "VARIANTS", "BenchOptions", "run_bench"]
 
 # Report key -> how to run it, in the order they run.
 _VARIANTS: dict[str, Callable[[BenchPlan], dict[str, Any]]] = {
@@ -47,6 +47,12 @@ _RATIOS = {
 }
 
 
+LAYOUTS = ("LBHNC", "LBNHC", "BLHNC", "BLNHC")
+"""vLLM's KV cache layouts `kvfsm bench --layout` lays its caches out in. The bench's KV is one
+latent head per layer, so heads-first and tokens-first pages are the same bytes: what differs
+is whether a block's pages of every layer lie together (BL*)."""
+
+
 class BenchOptions:
     """What `kvfsm bench` was asked for."""
 
@@ -56,7 +62,7 @@ class BenchOptions:
                  control_total: int = 0, ucx_error_handling: UcxErrorHandling = "peer",
                  repeat: int = 1, memory: Memory = "dram",
                  more_inflight: tuple[int, ...] = (),
-                 variants: tuple[str, ...] = VARIANTS) -> None:  # fmt: skip
+                 variants: tuple[str, ...] = VARIANTS, layout: str = "LBHNC") -> None:  # fmt: skip
         """`inflight`: the headline's transfers in flight at most; `more_inflight`: further
         numbers every variant also runs at (`by_inflight`); `variants`: which run (a GPU's
         short lease may want a2 and b alone)."""
@@ -67,6 +73,9 @@ class BenchOptions:
                *more_inflight) < 1:  # fmt: skip
             raise ValueError("every size and count must be at least 1")
         self.repeat, self.more_inflight = repeat, more_inflight
+        if layout not in LAYOUTS:
+            raise ValueError(f"--layout must be one of {LAYOUTS}, not {layout!r}")
+        self.layout = layout
         if memory not in MEMORIES:
             raise ValueError(f"memory must be one of {MEMORIES}, not {memory!r}")
         if control_total < 0 or any(n < 1 for n in control_in_flight):
@@ -89,6 +98,7 @@ class BenchOptions:
             block_bytes=block_kib * 1024, num_blocks=num_blocks, regions=regions,
             op="WRITE" if mode == "push" else "READ", src=src, dst=dst, inflight=inflight,
             seed=seed, ucx_error_handling=ucx_error_handling, memory=memory,
+            blocks_first=layout.startswith("BL"),
         )  # fmt: skip
 
 
@@ -105,7 +115,7 @@ def run_bench(options: BenchOptions, advance: Callable[[int], None]) -> dict[str
         "blocks_per_request": len(plan.src[0]), "bytes_per_request": plan.bytes_per_request,
         "descriptors_per_request": len(plan.src[0]) * plan.regions, "inflight": plan.inflight,
         "ucx_error_handling": plan.ucx_error_handling, "repeat": options.repeat,
-        "memory": plan.memory,
+        "memory": plan.memory, "layout": options.layout,
     }  # fmt: skip
     sweep = {
         str(n): _transfers(msgspec.structs.replace(plan, inflight=n), options, advance)
