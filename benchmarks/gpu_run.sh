@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks as one prepared run (a lent GPU machine is held minutes, not hours): which
-# transport pull's READs of CUDA memory take, the VRAM tests, and `kvfsm bench --memory vram`
-# (a2 and b) at 1, 8 and 64 MiB a request, push and pull, 4 and 32 in flight. Results go to
+# transport pull's READs of CUDA memory take, the VRAM tests (the device fence among them), and
+# `kvfsm bench --memory vram` (a2 and b) at 1, 8 and 64 MiB a request, push and pull, 4 and 32
+# in flight, and LBHNC against BLHNC at 8 MiB. Results go to
 # $OUT: results.jsonl (one bench report a line), log.txt, vram_tests.txt, proto_*.txt.
 # Wheels in .whl/ (nixl-cu13, nixl, msgspec, transitions, pyzmq) are installed first if present.
 set -u
@@ -51,6 +52,14 @@ log "tests/nixl/test_vram.py"
 timeout 180 python3 -m pytest -q -p no:cacheprovider tests/nixl/test_vram.py \
     >"$OUT/vram_tests.txt" 2>&1
 log "vram tests rc=$?"
+# vLLM's own layouts on VRAM, where vLLM is installed (it is too large to carry in a call).
+if python3 -c "import vllm" 2>/dev/null; then
+    timeout 180 python3 -m pytest -q -p no:cacheprovider tests/vllm/test_layouts_nixl.py -k cuda \
+        >"$OUT/vram_layouts.txt" 2>&1
+    log "vram layout tests rc=$?"
+else
+    log "vram layout tests skipped: no vllm here"
+fi
 
 # 3. The bench at three sizes, push and pull. On an H100 (2026-11-27) one round of a2 and b at
 #    one number in flight took 12-25 s (fresh processes, CUDA contexts, the byte check): 8 MiB
@@ -65,7 +74,12 @@ bench push_1 90 --mode push --blocks 64 --blocks-per-request 1 --requests 64 --i
     --repeat 1
 bench pull_1 90 --mode pull --blocks 64 --blocks-per-request 1 --requests 64 --inflight 4 32 \
     --repeat 1
-# 4. Host memory on the same machine, for the like-for-like gap at 1 MiB.
+# 4. vLLM's block-outermost layout on the device: one row per block against one per layer.
+bench layout_lbhnc_8 150 --mode push --layout LBHNC --blocks 512 --blocks-per-request 8 \
+    --requests 64 --inflight 4 --repeat 1
+bench layout_blhnc_8 150 --mode push --layout BLHNC --blocks 512 --blocks-per-request 8 \
+    --requests 64 --inflight 4 --repeat 1
+# 5. Host memory on the same machine, for the like-for-like gap at 1 MiB.
 bench dram_push_1 120 --memory dram --mode push --blocks 64 --blocks-per-request 1 \
     --requests 64 --inflight 1 4
 log "finished"

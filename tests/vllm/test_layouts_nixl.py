@@ -37,10 +37,10 @@ class _Rank:
 
     def __init__(
         self, core: Producer | Consumer, spec: Any, layout: KVCacheLayout, *, heads: int,
-        mla: bool, directory: LocalDirectory,
+        mla: bool, directory: LocalDirectory, device: str = "cpu",
     ) -> None:  # fmt: skip
         me = core.identity
-        self.views = _views(spec, layout)
+        self.views = _views(spec, layout, device)
         geometry, buffers = geometry_of(
             {f"layers.{i}": v for i, v in enumerate(self.views)}, block_size=spec.block_size,
             num_kv_heads=heads,
@@ -48,7 +48,8 @@ class _Rank:
         )  # fmt: skip
         self.geometry = geometry
         self.engine = Engine(
-            core, NixlFabric(me.agent), KvCache(geometry, buffers), directory.view(),
+            core, NixlFabric(me.agent, mem_type="VRAM" if device == "cuda" else "DRAM"),
+            KvCache(geometry, buffers), directory.view(),
             time.monotonic,
         )  # fmt: skip
         directory.publish(self.engine.agent, self.engine.info)
@@ -58,7 +59,7 @@ class _Rank:
         self.engine.fabric.close()
 
 
-def _views(spec: Any, layout: KVCacheLayout) -> list[Any]:
+def _views(spec: Any, layout: KVCacheLayout, device: str = "cpu") -> list[Any]:
     layer_stride, block_stride, *_ = compute_layout_strides(
         spec, BLOCKS, LAYERS, layout, fixed_strides=(None,) * 5
     )
@@ -67,7 +68,7 @@ def _views(spec: Any, layout: KVCacheLayout) -> list[Any]:
         size=size, layers=[f"l{i}" for i in range(LAYERS)], layer_stride=layer_stride,
         block_stride=block_stride,
     )  # fmt: skip
-    raw = torch.zeros(size, dtype=torch.int8)
+    raw = torch.zeros(size, dtype=torch.int8, device=device)
     return [v.view(torch.uint8 if v.element_size() == 1 else torch.int16) for v in
             create_kv_cache_views(raw, spec, BLOCKS, layout, tensor)]  # fmt: skip
 
@@ -89,7 +90,9 @@ def _fill(rank: _Rank, blocks: list[int], tokens: int) -> None:
         for i, block in enumerate(blocks):
             span = torch.arange(i * n, min(tokens, (i + 1) * n))
             values = _expected(layer, span, heads, view.shape[3])  # (tokens, heads, width)
-            view[block, :, : span.numel(), :] = values.permute(1, 0, 2).to(view.dtype)
+            view[block, :, : span.numel(), :] = values.permute(1, 0, 2).to(view)
+    if rank.views[0].is_cuda:
+        torch.cuda.synchronize()  # what the device fence does in the connector
 
 
 def _check(rank: _Rank, blocks: list[int], first: int, tokens: int) -> int:
@@ -101,7 +104,7 @@ def _check(rank: _Rank, blocks: list[int], first: int, tokens: int) -> int:
     for layer, view in enumerate(rank.views):
         for i, block in enumerate(blocks):
             span = torch.arange(first + i * n, min(tokens, first + (i + 1) * n))
-            want = _expected(layer, span, heads, view.shape[3]).permute(1, 0, 2).to(view.dtype)
+            want = _expected(layer, span, heads, view.shape[3]).permute(1, 0, 2).to(view)
             got = view[block, :, : span.numel(), :]
             assert torch.equal(got, want), (layer, block, i)
             compared += got.numel()
@@ -119,7 +122,7 @@ def _spec(block_size: int, heads: int, dtype: torch.dtype, mla: bool) -> Any:
 def _move(
     mode: Mode, layout: KVCacheLayout, p_tp: int, d_tp: int, p_bs: int, d_bs: int, *,
     dtype: torch.dtype = torch.float16, mla: bool = False, hit: int = 0, tokens: int = 45,
-    d_layout: KVCacheLayout | None = None,
+    d_layout: KVCacheLayout | None = None, device: str = "cpu",
 ) -> int:  # fmt: skip
     """Move one request of `tokens` tokens P -> D (D in `d_layout`, default P's); D already
     holds its first `hit` blocks. Returns the descriptor rows the posting side posted."""
@@ -129,13 +132,13 @@ def _move(
     p = [
         _Rank(Producer(Identity(f"VP{n}", r, p_tp), mode),
               _spec(p_bs, heads // p_tp if not mla else 1, dtype, mla), layout,
-              heads=heads, mla=mla, directory=directory)
+              heads=heads, mla=mla, directory=directory, device=device)
         for r in range(p_tp)
     ]  # fmt: skip
     d = [
         _Rank(Consumer(Identity(f"VD{n}", r, d_tp), mode),
               _spec(d_bs, heads // d_tp if not mla else 1, dtype, mla), d_layout or layout,
-              heads=heads, mla=mla, directory=directory)
+              heads=heads, mla=mla, directory=directory, device=device)
         for r in range(d_tp)
     ]  # fmt: skip
     try:
@@ -173,13 +176,20 @@ def _move(
 _LAYOUTS = [KVCacheLayout.LBHNC, KVCacheLayout.LBNHC, KVCacheLayout.BLHNC, KVCacheLayout.BLNHC]
 
 
+_CUDA = pytest.param(
+    "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", _CUDA])
 @pytest.mark.parametrize("layout", _LAYOUTS, ids=lambda x: x.name)
 @pytest.mark.parametrize("mode", ["push", "pull"])
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (1, 2), (2, 1), (2, 4)])
 def test_every_token_of_every_head_arrives(
-    layout: KVCacheLayout, mode: Mode, p_tp: int, d_tp: int
+    layout: KVCacheLayout, mode: Mode, p_tp: int, d_tp: int, device: str
 ) -> None:
-    _move(mode, layout, p_tp, d_tp, 16, 16)
+    # On a GPU (VRAM registered with NIXL) where vLLM and CUDA are both present.
+    _move(mode, layout, p_tp, d_tp, 16, 16, device=device)
 
 
 @pytest.mark.parametrize("layout", _LAYOUTS, ids=lambda x: x.name)
