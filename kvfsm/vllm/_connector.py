@@ -126,15 +126,16 @@ class KvfsmConnector(KVConnectorBase_V1, SupportsHMA):
             )  # fmt: skip
             worker.start(geometry, buffers)
             return
+        block_size = config.cache_config.block_size
         geometry, buffers = geometry_of(
             kv_caches,
-            block_size=config.cache_config.block_size,
+            block_size=block_size,
             num_kv_heads=config.model_config.get_total_num_kv_heads(),
             tp_size=self._tp_size,
             tp_rank=worker.identity.rank,
             mla=bool(getattr(config.model_config, "use_mla", False)),
         )
-        worker.start(geometry, buffers)
+        worker.start(geometry, buffers, kernel_split=block_size // geometry.block_size)
 
     def get_handshake_metadata(self) -> KvfsmHandshake | None:
         worker = self._need_worker()

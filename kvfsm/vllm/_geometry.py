@@ -21,7 +21,8 @@ one backend's:
 
 Any other layout (LHBNC and BHLNC for attention: a layer's page of a block is not one run) is
 refused at start-up in one line that names it and the setting that fixes it
-(`VLLM_KV_CACHE_LAYOUT=LBHNC`); so is a kernel-block split of the scheduler's blocks.
+(`VLLM_KV_CACHE_LAYOUT=LBHNC`). A backend that views the scheduler's blocks as smaller kernel
+blocks gives a geometry in kernel blocks; `kernel_blocks` turns vLLM's block ids into theirs.
 
 With several KV cache groups (sliding window beside full attention), vLLM overlays one layer of
 each group on the same tensor (a block id belongs to one group at a time): such aliases are one
@@ -40,9 +41,15 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from kvfsm.layout import KvGeometry
+import msgspec
+import numpy as np
 
-__all__ = ["REQUIRED_LAYOUT", "LayoutError", "geometry_of", "layout_of", "page_geometry_of"]
+from kvfsm.layout import KvGeometry, logical_to_kernel
+
+__all__ = [
+    "REQUIRED_LAYOUT", "LayoutError", "geometry_of", "kernel_blocks", "layout_of",
+    "page_geometry_of",
+]  # fmt: skip
 
 REQUIRED_LAYOUT = "LBHNC"
 """The KV cache layout the connector asks vLLM for: a head slice is one run per block, so it
@@ -88,9 +95,11 @@ def geometry_of(
 ) -> tuple[KvGeometry, list[Any]]:
     """This rank's geometry and its region buffers (layer-major) from vLLM's per-layer tensors.
 
-    `num_kv_heads` is the model's total; `block_size` the scheduler's (a backend splitting
-    blocks into smaller kernel blocks is refused: block ids would not mean the same thing);
-    `mla`: the model keeps one latent KV per token (vLLM's `model_config.use_mla`).
+    `num_kv_heads` is the model's total; `block_size` the scheduler's. A backend that views
+    the cache in smaller kernel blocks (FlashMLA's 64 tokens under a bigger `--block-size`)
+    gives a geometry in kernel blocks: the scheduler's block `b` is kernel blocks
+    `b * k .. b * k + k - 1` (`kernel_blocks`). `mla`: the model keeps one latent KV per token
+    (vLLM's `model_config.use_mla`).
     """
     if not kv_caches:
         raise LayoutError("no KV cache tensors were registered")
@@ -103,11 +112,10 @@ def geometry_of(
     common |= {"tp_size": tp_size, "tp_rank": tp_rank}
     fields, buffers = _read(shape, tensors, tp_size, mla)
     num_kv_heads = 1 if mla else num_kv_heads
-    if fields["block_size"] != block_size:
+    if block_size % fields["block_size"]:
         raise LayoutError(
-            f"the attention backend splits the scheduler's {block_size}-token blocks into"
-            f" {fields['block_size']}-token kernel blocks, which kvfsm does not move: start vLLM"
-            f" with --block-size {fields['block_size']}"
+            f"the KV tensors hold {fields['block_size']}-token blocks, which do not divide the"
+            f" scheduler's {block_size}-token ones"
         )
     if fields["num_kv_heads"] != num_kv_heads:
         raise LayoutError(
@@ -216,6 +224,16 @@ def _dense_layer(view: Any) -> Any:
     if view.is_contiguous():
         return view
     raise LayoutError(f"an MLA layer's KV is not one dense region (strides {view.stride()})")
+
+
+def kernel_blocks(event: Any, split: int) -> Any:
+    """`event` with its scheduler block ids as the kernel block ids they hold (`split` kernel
+    blocks each); events without blocks, and any event when `split` is 1, as they are."""
+    blocks = getattr(event, "blocks", None)
+    if split == 1 or blocks is None:
+        return event
+    kernel = logical_to_kernel(blocks, split).astype(np.int32)
+    return msgspec.structs.replace(event, blocks=kernel)
 
 
 def page_geometry_of(

@@ -40,6 +40,7 @@ from kvfsm.layout import KvGeometry
 from kvfsm.runtime import CallerOutput, Engine, EngineLoop, KvCache, RequestTrace
 from kvfsm.sidechannel import HandshakePayload, ZmqDirectory, compat_hash, payload_of, validate
 from kvfsm.vllm._fence import DeviceFence
+from kvfsm.vllm._geometry import kernel_blocks
 from kvfsm.vllm._scheduler import ConnectorStep
 from kvfsm.vllm._settings import KvfsmSettings
 from kvfsm.vllm._stats import StatsWindow
@@ -78,11 +79,14 @@ class WorkerSide:
         self._fail_by_request = fail_by_request
         self._stats = StatsWindow()  # guarded by _lock
         self._fence: DeviceFence | None = None
+        self._split = 1  # kernel blocks per vLLM block
         self.on_report: Callable[[], None] | None = None
         """Called (on the loop thread) when something for vLLM's next step arrived."""
 
-    def start(self, geometry: KvGeometry, buffers: list[Any]) -> None:
-        """Register the KV cache with a NIXL agent and start the engine loop."""
+    def start(self, geometry: KvGeometry, buffers: list[Any], kernel_split: int = 1) -> None:
+        """Register the KV cache with a NIXL agent and start the engine loop. `kernel_split`:
+        kernel blocks per scheduler block (the geometry counts kernel blocks)."""
+        self._split = kernel_split
         s, me = self.settings, self.identity
         mem_type = buffer_span(buffers[0]).mem_type
         core = (Producer if self.is_producer else Consumer)(me, s.mode, s.core_config())
@@ -143,10 +147,11 @@ class WorkerSide:
             if awaited:
                 with self._lock:
                     self._awaited.add(event.request_id)  # type: ignore[union-attr]
+        events = [kernel_blocks(event, self._split) for event, _ in step.events]
         if self._fence is not None:
-            self._fence.pass_on([event for event, _ in step.events])
+            self._fence.pass_on(events)
             return
-        for event, _ in step.events:
+        for event in events:
             self._submit(event)
 
     def written(self) -> None:
@@ -182,6 +187,10 @@ class WorkerSide:
             self._failed -= failed
         return sending, recving, failed
 
+    def _vllm_blocks(self, kernel: Any) -> set[int]:
+        """vLLM's block ids of the engine's (kernel) block ids."""
+        return {int(b) // self._split for b in kernel}
+
     def _fail(self, rid: str, blocks: Any) -> None:  # under _lock
         if self._fail_by_request:
             self._failed.add(rid)
@@ -216,7 +225,7 @@ class WorkerSide:
             if rid not in self._awaited:
                 return  # vLLM freed these blocks itself (an abort before P finished, a hit)
             if isinstance(output, ReportFailed):
-                self._fail(rid, output.blocks)
+                self._fail(rid, self._vllm_blocks(output.blocks))
             else:
                 self._awaited.discard(rid)
                 (self._sending if self.is_producer else self._recving).add(rid)
@@ -238,7 +247,7 @@ class WorkerSide:
             if orphan:
                 self._awaited.discard(rid)
                 if isinstance(event, Admit):
-                    self._fail(rid, event.blocks)
+                    self._fail(rid, self._vllm_blocks(event.blocks))
                 (self._sending if self.is_producer else self._recving).add(rid)
         _log.log(logging.WARNING if orphan else logging.DEBUG, "kvfsm: %r refused: %s", event, exc)
 

@@ -134,7 +134,7 @@ def test_split_kv_and_mla_layouts() -> None:
     [
         ({}, "no KV cache tensors"),
         ({"a": torch.zeros(8, 2, 32, 128), "b": torch.zeros(8, 2, 32, 64)}, "differ in shape"),
-        ({"a": torch.zeros(8, 2, 16, 128)}, "16-token kernel blocks"),
+        ({"a": torch.zeros(8, 2, 12, 128)}, "12-token blocks, which do not divide"),
         ({"a": torch.zeros(8, 1, 32, 128)}, "replicated KV heads"),
         ({"a": torch.zeros(8, 2, 32, 2, 64)}, "not a layout"),
         ({"a": torch.zeros(128, 32, 2, 8).permute(3, 2, 1, 0)}, "VLLM_KV_CACHE_LAYOUT=LBHNC"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from vllm.config import KVTransferConfig
@@ -23,8 +24,15 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from kvfsm.core import Abort, Admit
 from kvfsm.vllm import KvfsmConnector
-from kvfsm.vllm._geometry import REQUIRED_LAYOUT, LayoutError, geometry_of, layout_of
+from kvfsm.vllm._geometry import (
+    REQUIRED_LAYOUT,
+    LayoutError,
+    geometry_of,
+    kernel_blocks,
+    layout_of,
+)
 
 LAYERS, BLOCKS, HEADS, TOKENS, HEAD_DIM = 3, 6, 4, 16, 8
 
@@ -126,10 +134,23 @@ def test_mla_blocks_outermost_is_one_interleaved_span(layout: KVCacheLayout) -> 
     assert g.mla and g.interleaved and len(buffers) == 1
 
 
-def test_kernel_blocks_are_refused_naming_the_block_size_that_fixes_it() -> None:
+def test_kernel_blocks_are_read_and_vllms_blocks_become_kernel_ids() -> None:
+    """A backend viewing 16-token blocks as 8-token kernel blocks (as FlashMLA views bigger
+    ones in 64): the geometry counts kernel blocks, and vLLM's block `b` is kernel blocks
+    `2b` and `2b + 1` in every event the connector hands the engine."""
     views = _views(_attention(), KVCacheLayout.LBHNC, kernel=8)
-    with pytest.raises(LayoutError, match=r"8-token kernel blocks.*--block-size 8"):
-        _geometry(views)
+    g, _ = _geometry(views)
+    assert (g.block_size, g.num_blocks) == (8, 2 * BLOCKS)
+    admit = kernel_blocks(Admit("r", np.array([2, 5], dtype=np.int32)), 2)
+    assert admit.blocks.tolist() == [4, 5, 10, 11] and admit.blocks.dtype == np.int32
+    assert kernel_blocks(Abort("r"), 2) == Abort("r")
+    assert kernel_blocks(admit, 1) is admit
+
+
+def test_blocks_that_do_not_split_into_the_views_are_refused() -> None:
+    views = {"a": torch.zeros(8, 2, 24, 128)}
+    with pytest.raises(LayoutError, match="24-token blocks, which do not divide the"):
+        geometry_of(views, block_size=32, num_kv_heads=4, tp_size=2, tp_rank=0)
 
 
 # The layouts vLLM 0.32's GPU attention backends declare (`supported_kv_cache_layouts`), most

@@ -3,7 +3,7 @@ them, here on host memory), read by the connector's `geometry_of`, registered wi
 agents and moved P -> D by kvfsm engines, push and pull: every byte of every token D should hold
 is compared through vLLM's logical `[B, H, N, C]` views, whatever the layout. TP sizes differ
 (head slices), D's blocks hold twice P's tokens, D has a prefix-cache hit; FP16, FP8 and MLA;
-blocks outermost on one side or both (one row per block)."""
+blocks outermost on one side or both (one row per block); kernel blocks."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import itertools
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from vllm.v1.kv_cache_interface import (
@@ -24,9 +25,10 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvfsm.core import Admit, Consumer, Finished, Identity, Mode, PrefillFinished, Producer
 from kvfsm.fabric import NixlFabric
+from kvfsm.layout import logical_to_kernel
 from kvfsm.runtime import Engine, KvCache
 from kvfsm.sidechannel import LocalDirectory
-from kvfsm.vllm._geometry import geometry_of
+from kvfsm.vllm._geometry import geometry_of, kernel_blocks
 
 LAYERS, HEADS, HEAD_DIM, BLOCKS = 2, 8, 4, 12
 _names = itertools.count()
@@ -37,16 +39,17 @@ class _Rank:
 
     def __init__(
         self, core: Producer | Consumer, spec: Any, layout: KVCacheLayout, *, heads: int,
-        mla: bool, directory: LocalDirectory, device: str = "cpu",
+        mla: bool, directory: LocalDirectory, device: str = "cpu", kernel: int | None = None,
     ) -> None:  # fmt: skip
         me = core.identity
-        self.views = _views(spec, layout, device)
+        self.views = _views(spec, layout, device, kernel)
         geometry, buffers = geometry_of(
             {f"layers.{i}": v for i, v in enumerate(self.views)}, block_size=spec.block_size,
             num_kv_heads=heads,
             tp_size=me.tp_size, tp_rank=me.rank, mla=mla,
         )  # fmt: skip
         self.geometry = geometry
+        self.split = spec.block_size // geometry.block_size  # kernel blocks per vLLM block
         self.engine = Engine(
             core, NixlFabric(me.agent, mem_type="VRAM" if device == "cuda" else "DRAM"),
             KvCache(geometry, buffers), directory.view(),
@@ -59,7 +62,9 @@ class _Rank:
         self.engine.fabric.close()
 
 
-def _views(spec: Any, layout: KVCacheLayout, device: str = "cpu") -> list[Any]:
+def _views(
+    spec: Any, layout: KVCacheLayout, device: str = "cpu", kernel: int | None = None
+) -> list[Any]:
     layer_stride, block_stride, *_ = compute_layout_strides(
         spec, BLOCKS, LAYERS, layout, fixed_strides=(None,) * 5
     )
@@ -70,7 +75,7 @@ def _views(spec: Any, layout: KVCacheLayout, device: str = "cpu") -> list[Any]:
     )  # fmt: skip
     raw = torch.zeros(size, dtype=torch.int8, device=device)
     return [v.view(torch.uint8 if v.element_size() == 1 else torch.int16) for v in
-            create_kv_cache_views(raw, spec, BLOCKS, layout, tensor)]  # fmt: skip
+            create_kv_cache_views(raw, spec, BLOCKS, layout, tensor, kernel)]  # fmt: skip
 
 
 def _expected(layer: int, tokens: Any, heads: Any, width: int) -> Any:
@@ -88,6 +93,8 @@ def _fill(rank: _Rank, blocks: list[int], tokens: int) -> None:
     heads = torch.arange(g.first_head, g.first_head + g.heads_per_rank)
     for layer, view in enumerate(rank.views):
         for i, block in enumerate(blocks):
+            if i * n >= tokens:  # a kernel block past the request's last token
+                break
             span = torch.arange(i * n, min(tokens, (i + 1) * n))
             values = _expected(layer, span, heads, view.shape[3])  # (tokens, heads, width)
             view[block, :, : span.numel(), :] = values.permute(1, 0, 2).to(view)
@@ -103,6 +110,8 @@ def _check(rank: _Rank, blocks: list[int], first: int, tokens: int) -> int:
     compared = 0
     for layer, view in enumerate(rank.views):
         for i, block in enumerate(blocks):
+            if first + i * n >= tokens:
+                break
             span = torch.arange(first + i * n, min(tokens, first + (i + 1) * n))
             want = _expected(layer, span, heads, view.shape[3]).permute(1, 0, 2).to(view)
             got = view[block, :, : span.numel(), :]
@@ -122,7 +131,7 @@ def _spec(block_size: int, heads: int, dtype: torch.dtype, mla: bool) -> Any:
 def _move(
     mode: Mode, layout: KVCacheLayout, p_tp: int, d_tp: int, p_bs: int, d_bs: int, *,
     dtype: torch.dtype = torch.float16, mla: bool = False, hit: int = 0, tokens: int = 45,
-    d_layout: KVCacheLayout | None = None, device: str = "cpu",
+    d_layout: KVCacheLayout | None = None, device: str = "cpu", kernel: int | None = None,
 ) -> int:  # fmt: skip
     """Move one request of `tokens` tokens P -> D (D in `d_layout`, default P's); D already
     holds its first `hit` blocks. Returns the descriptor rows the posting side posted."""
@@ -132,7 +141,7 @@ def _move(
     p = [
         _Rank(Producer(Identity(f"VP{n}", r, p_tp), mode),
               _spec(p_bs, heads // p_tp if not mla else 1, dtype, mla), layout,
-              heads=heads, mla=mla, directory=directory, device=device)
+              heads=heads, mla=mla, directory=directory, device=device, kernel=kernel)
         for r in range(p_tp)
     ]  # fmt: skip
     d = [
@@ -145,14 +154,13 @@ def _move(
         p_blocks = [BLOCKS - 1 - 2 * i for i in range(-(-tokens // p_bs))]  # scattered
         d_all = [1 + i for i in range(-(-tokens // d_bs))]
         d_blocks = d_all[hit:]
-        for rank in p:
-            _fill(rank, p_blocks, tokens)
-            rank.engine.submit(Admit("req-0000000a", torch.tensor(p_blocks).int().numpy()))
-            rank.engine.submit(
-                PrefillFinished("req-0000000a", torch.tensor(p_blocks).int().numpy())
-            )
+        for rank in p:  # vLLM's block ids, as the connector hands them to the engine
+            ids = np.array(p_blocks, dtype=np.int32)
+            _fill(rank, logical_to_kernel(ids, rank.split).tolist(), tokens)
+            for event in (Admit("req-0000000a", ids), PrefillFinished("req-0000000a", ids)):
+                rank.engine.submit(kernel_blocks(event, rank.split))
         for rank in d:
-            ids = torch.tensor(d_blocks).int().numpy()
+            ids = np.array(d_blocks, dtype=np.int32)
             rank.engine.submit(Admit("req-0000000b", ids, f"VP{n}", p_tp, "req-0000000a"))
         finished: dict[str, str] = {}
         deadline = time.monotonic() + 60
@@ -235,3 +243,11 @@ def test_blocks_outermost_on_both_sides_move_one_row_per_block(mode: Mode) -> No
     blocks = -(-45 // 16)
     assert _move(mode, KVCacheLayout.BLHNC, 1, 1, 16, 16) == blocks
     assert _move(mode, KVCacheLayout.LBHNC, 1, 1, 16, 16) == blocks * LAYERS
+
+
+@pytest.mark.parametrize("layout", [KVCacheLayout.LBHNC, KVCacheLayout.LBNHC], ids=lambda x: x.name)
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_kernel_blocks_of_ps_scheduler_blocks(layout: KVCacheLayout, mode: Mode) -> None:
+    # P's backend views its 32-token blocks as 16-token kernel blocks (as FlashMLA views bigger
+    # blocks in 64-token ones); D keeps 32-token blocks. vLLM's block ids become kernel ids.
+    _move(mode, layout, 1, 2, 32, 32, kernel=16, tokens=70)
