@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kvfsm.core import Identity
 from kvfsm.sidechannel import HandshakePayload
-from kvfsm.vllm._geometry import REQUIRED_LAYOUT, geometry_of, page_geometry_of
+from kvfsm.vllm._geometry import REQUIRED_LAYOUT, LayoutError, geometry_of, page_geometry_of
 from kvfsm.vllm._groups import KvGroups
 from kvfsm.vllm._params import contact_of
 from kvfsm.vllm._prom import KvfsmPromMetrics
@@ -127,14 +127,19 @@ class KvfsmConnector(KVConnectorBase_V1, SupportsHMA):
             worker.start(geometry, buffers)
             return
         block_size = config.cache_config.block_size
-        geometry, buffers = geometry_of(
-            kv_caches,
-            block_size=block_size,
-            num_kv_heads=config.model_config.get_total_num_kv_heads(),
-            tp_size=self._tp_size,
-            tp_rank=worker.identity.rank,
-            mla=bool(getattr(config.model_config, "use_mla", False)),
-        )
+        try:
+            geometry, buffers = geometry_of(
+                kv_caches,
+                block_size=block_size,
+                num_kv_heads=config.model_config.get_total_num_kv_heads(),
+                tp_size=self._tp_size,
+                tp_rank=worker.identity.rank,
+                mla=bool(getattr(config.model_config, "use_mla", False)),
+            )
+        except LayoutError as exc:
+            raise LayoutError(
+                f"{exc} [attention backend: {backends_of(config, kv_caches)}]"
+            ) from None
         worker.start(geometry, buffers, kernel_split=block_size // geometry.block_size)
 
     def get_handshake_metadata(self) -> KvfsmHandshake | None:
@@ -277,6 +282,19 @@ def _refuse_unsupported(vllm_config: Any, kv_cache_config: Any) -> KvGroups:
     if problems:
         raise SettingsError("KvfsmConnector cannot run this engine: " + "; ".join(problems))
     return groups
+
+
+def backends_of(vllm_config: Any, layers: Any) -> str:
+    """The names of the attention backends running `layers` (from vLLM's forward context), for
+    a start-up refusal to name; "unknown" where vLLM does not say."""
+    context = getattr(vllm_config.compilation_config, "static_forward_context", None) or {}
+    names = set()
+    for layer in layers:
+        backend = getattr(context.get(layer), "attn_backend", None)
+        get_name = getattr(backend, "get_name", None)
+        if callable(get_name):
+            names.add(str(get_name()))
+    return ", ".join(sorted(names)) or "unknown"
 
 
 def _tp_rank(tp_size: int) -> int:

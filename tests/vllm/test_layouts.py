@@ -197,3 +197,16 @@ def test_vllm_resolves_the_layout_kvfsm_asks_for_wherever_the_backend_admits_it(
         assert layout is declared[0]
         with pytest.raises(LayoutError, match=f"as {layout.name}; "):
             _geometry(_views(_attention(), layout))
+
+
+def test_a_refusal_names_the_attention_backend() -> None:
+    """The start-up refusal names the backend vLLM runs the layers with (its forward context)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from kvfsm.vllm._connector import backends_of
+
+    layer = SimpleNamespace(attn_backend=CPUAttentionBackend)
+    context = {"model.layers.0.self_attn.attn": layer}
+    config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=context))
+    assert backends_of(config, [*context, "model.layers.1.self_attn.attn"]) == "CPU_ATTN"
+    assert backends_of(SimpleNamespace(compilation_config=SimpleNamespace()), context) == "unknown"
