@@ -92,9 +92,10 @@ class KvCache:
 
     def __repr__(self) -> str:
         g = self.geometry
+        pages = f"{g.kv_layout} pages" + (", blocks outermost" if g.interleaved else "")
         return (
             f"KvCache({g.num_regions} regions x {g.num_blocks} blocks x {g.block_len} bytes,"
-            f" {self.mem_type}, TP rank {g.tp_rank}/{g.tp_size})"
+            f" {pages}, {self.mem_type}, TP rank {g.tp_rank}/{g.tp_size})"
         )
 
 
