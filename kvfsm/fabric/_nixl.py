@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import logging
 import math
 import os
 import re
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeVar
 
@@ -107,12 +109,22 @@ def nixl_api() -> Any:
     """NIXL's Python API module: `nixl._api`, else the CUDA-variant packages' copies."""
     for name in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
         try:
-            return importlib.import_module(name)
+            api = importlib.import_module(name)
         except ImportError:
             continue
+        _log_to_stderr()
+        return api
     raise ImportError(
         "NIXL is not installed: pip install nixl-cu12==1.5.1 && pip install --no-deps nixl==1.5.1"
     )
+
+
+def _log_to_stderr() -> None:
+    """NIXL's console log goes to stderr: its handler writes to whatever `sys.stdout` was when
+    NIXL was first imported, which a `--json` command keeps for its JSON alone."""
+    for handler in logging.getLogger("nixl").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is not sys.stderr:
+            handler.setStream(sys.stderr)
 
 
 def _bindings(api: Any) -> Any:

@@ -148,8 +148,34 @@ def test_unreadable_and_oversized_files(tmp_path: Path) -> None:
 
 
 def test_sim_only_scenario_refused_on_nixl(capsys: pytest.CaptureFixture[str]) -> None:
+    # Nothing runs on the fabric asked for: bad input.
     assert main(["scenario", "--fabric", "nixl", str(LIBRARY / "write_fails_to_post.toml")]) == 2
-    assert "declares fabrics ['sim']" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert (
+        "write_fails_to_post: skipped: it runs on sim (its `fabrics`; default sim)" in captured.err
+    )
+    assert "kvfsm scenario: 0 passed, 0 failed, 1 skipped" in captured.out
+
+
+def test_many_files_run_every_one_and_count_each(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A glob runs every file: a failing one does not stop the rest, the summary counts each,
+    and the exit code says a file failed."""
+    files = [LIBRARY / "write_fails_to_post.toml", _failed_write(tmp_path, "done")]
+    files.append(LIBRARY / "failed_write_marks_blocks_invalid.toml")
+    assert main(["scenario", "--json", *map(str, files)]) == 1
+    captured = capsys.readouterr()
+    assert [json.loads(line)["passed"] for line in captured.out.splitlines()] == [1, 0, 1]
+    assert "kvfsm scenario: 2 passed, 1 failed, 0 skipped" in captured.err
+
+
+def test_an_unknown_expected_state_is_refused_at_load(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _failed_write(tmp_path, "faild")
+    assert main(["scenario", str(path)]) == 2
+    assert "expect[0]: no state 'faild' (states: aborted, absent," in capsys.readouterr().err
 
 
 def test_a_core_that_raises_is_reported_not_a_traceback(monkeypatch: pytest.MonkeyPatch) -> None:

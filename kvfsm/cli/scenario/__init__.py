@@ -41,23 +41,38 @@ def add_command(commands: Commands) -> None:
 
 
 def _execute(args: argparse.Namespace) -> int:
+    """Run every file that runs on the fabric (the others skipped with a note), then a summary
+    line. Exit 2 if a file is malformed or none could run, else 1 if any failed, else 0."""
     try:
         scenarios = [load_scenario(path) for path in args.files]
     except ScenarioError as exc:
         print(f"kvfsm scenario: {exc}", file=sys.stderr)
         return 2
-    reports = []
+    reports, skipped, errors = [], 0, 0
     with progress_bar(len(scenarios), enabled=not args.json, label="scenarios") as advance:
         for scenario in scenarios:
+            advance(1)
+            if args.fabric not in scenario.fabrics:
+                skipped += 1
+                print(
+                    f"kvfsm scenario: {scenario.name}: skipped: it runs on"
+                    f" {', '.join(scenario.fabrics)} (its `fabrics`; default sim), not {args.fabric}",
+                    file=sys.stderr,
+                )  # fmt: skip
+                continue
             try:
                 reports.append(run_scenario(scenario, args.fabric))
             except ScenarioError as exc:
+                errors += 1
                 print(f"kvfsm scenario: {exc}", file=sys.stderr)
-                return 2
-            advance(1)
     for report in reports:
         if args.json:
             print(json.dumps(msgspec.to_builtins(report), sort_keys=True))
         else:
             scenario_table(report)
-    return 0 if all(r.passed for r in reports) else 1
+    failed = sum(not r.passed for r in reports)
+    summary = f"{len(reports) - failed} passed, {failed} failed, {skipped} skipped"
+    print(f"kvfsm scenario: {summary}", file=sys.stderr if args.json else sys.stdout)
+    if errors or not reports:
+        return 2
+    return 1 if failed else 0

@@ -18,6 +18,7 @@ import msgspec.toml
 
 from kvfsm.core import CoreConfig
 from kvfsm.fabric import SimFaults
+from kvfsm.lifecycle import load
 from kvfsm.testing._cluster import FAST_CONFIG
 
 __all__ = [
@@ -251,6 +252,7 @@ def _problems(s: Scenario) -> list[str]:
     ids = [r.id for r in s.requests]
     problems += [f"requests: {i!r} declared twice" for i in sorted(set(ids)) if ids.count(i) > 1]
     problems += _reference_problems(s, set(ids))
+    problems += _state_problems(s)
     problems += _config_problems(s)
     if "nixl" in s.fabrics and s.uses_sim_only_faults():
         problems.append("fabrics: lists nixl, but the scenario uses faults of the simulated fabric")
@@ -275,6 +277,35 @@ def _reference_problems(s: Scenario, ids: set[str]) -> list[str]:
         if (outcome.agent is None) == (outcome.side is None):
             problems.append(f"expect[{i}]: name exactly one of agent and side")
     return problems
+
+
+def _state_problems(s: Scenario) -> list[str]:
+    """Expectations naming a state no request lifecycle has (a typo would otherwise run and
+    fail as if a property were broken)."""
+    known = _request_states()
+    places: list[tuple[str, ExpectStep | Outcome]] = [
+        (f"timeline[{i}]", step)
+        for i, step in enumerate(s.timeline)
+        if isinstance(step, ExpectStep)
+    ]
+    places += [(f"expect[{i}]", outcome) for i, outcome in enumerate(s.expect)]
+    problems = []
+    for where, item in places:
+        states = [item.state] if isinstance(item.state, str) else item.state
+        problems += [
+            f"{where}: no state {state!r} (states: {', '.join(sorted(known))})"
+            for state in states
+            if state not in known
+        ]
+    return problems
+
+
+def _request_states() -> set[str]:
+    """Every state of the request lifecycles, and what a run reports beside them: "dead" (the
+    rank's process died with it), "absent" (it never reached the rank), "gone"."""
+    names = ("producer_push", "consumer_push", "producer_pull", "consumer_pull")
+    found = {state.name for name in names for state in load(name).model.states}
+    return found | {"dead", "absent", "gone"}
 
 
 def core_config(s: Scenario) -> CoreConfig:
