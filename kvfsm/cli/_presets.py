@@ -7,7 +7,7 @@ import msgspec
 
 from kvfsm.layout import KvGeometry
 
-__all__ = ["DTYPES", "MODELS", "model_geometry"]
+__all__ = ["DTYPES", "MAX_BLOCKS", "MIN_BLOCKS", "MODELS", "model_geometry"]
 
 MODELS: dict[str, KvGeometry] = {
     # Llama-3-8B: 32 layers, 8 KV heads (GQA), head dim 128, fp16; 2 MiB per 16-token block.
@@ -36,8 +36,12 @@ DTYPES: dict[str, str] = {"llama3-8b": "float16", "deepseek-v2-lite": "bfloat16"
 """Each preset's KV dtype, for the compatibility hash."""
 
 
+MIN_BLOCKS, MAX_BLOCKS = 8, 1 << 16
+"""The fewest and most blocks a demo rank's cache holds, whatever `--memory-mib` says."""
+
+
 def model_geometry(
-    model: str, *, tp_size: int, block_size: int, memory_mib: float, max_blocks: int = 1 << 16
+    model: str, *, tp_size: int, block_size: int, memory_mib: float, max_blocks: int = MAX_BLOCKS
 ) -> KvGeometry:
     """`model`'s geometry for one rank of a TP group, with as many blocks as fit `memory_mib`
     (at least 8, at most `max_blocks`). ValueError for an unknown model or a TP size that does
@@ -46,5 +50,5 @@ def model_geometry(
         raise ValueError(f"unknown model {model!r}: one of {', '.join(MODELS)}")
     one = msgspec.structs.replace(MODELS[model], tp_size=tp_size, block_size=block_size)
     per_block = one.block_len * one.num_regions
-    blocks = min(max_blocks, max(8, int(memory_mib * 2**20) // per_block))
+    blocks = min(max_blocks, max(MIN_BLOCKS, int(memory_mib * 2**20) // per_block))
     return msgspec.structs.replace(one, num_blocks=blocks)

@@ -104,3 +104,32 @@ def test_demo_fails_when_any_rank_of_either_side_did_not_end_done() -> None:
     assert why_not_done(report) == ["1 request(s) ended failed on P", "counters: stall_timeout 1"]
     report.finals = {"P:done": 4, "D:done": 4}
     assert report.ok and why_not_done(report) == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["demo", "--requests", "0"], "kvfsm demo: --requests must be at least 1, not 0"),
+        (["demo", "--fabric", "sim", "--corrupt", "3"], "kvfsm demo: --corrupt: the real fabric's"),
+        (["demo", "--fabric", "sim", "--model", "tiny"], "kvfsm demo: --model: the real fabric's"),
+        (["demo", "--memory-mib", "0"], "kvfsm demo: --memory-mib must be above 0"),
+        (["demo", "--p-block-size", "8", "--d-block-size", "12"], "kvfsm demo: --d-block-size 12"),
+        (["bench", "--requests", "0"], "kvfsm bench: --requests 0: every size and count"),
+    ],
+)
+def test_a_flag_that_cannot_apply_is_refused_in_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_diagrams_into_a_file_is_one_line_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "a-file"
+    target.write_text("")
+    assert main(["diagrams", "--out", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvfsm diagrams: cannot write there:") and "Traceback" not in err

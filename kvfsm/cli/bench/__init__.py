@@ -34,7 +34,7 @@ def add_command(commands: Commands) -> None:
         "--memory", choices=MEMORIES, default="dram",
         help="where both KV caches are: host memory, or one CUDA device's (registered as VRAM)",
     )  # fmt: skip
-    bench.add_argument("--block-kib", type=int, default=16, help="bytes of one block in one region")
+    bench.add_argument("--block-kib", type=int, default=16, help="KiB of one block in one region")
     bench.add_argument("--blocks", type=int, default=2048, help="blocks per region")
     bench.add_argument("--regions", type=int, default=4, help="regions (layers x K/V)")
     bench.add_argument("--requests", type=int, default=64)

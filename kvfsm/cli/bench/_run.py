@@ -69,9 +69,13 @@ class BenchOptions:
         if unknown := set(variants) - set(VARIANTS):
             raise ValueError(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
         self.variants = tuple(v for v in VARIANTS if v in {"raw", "engine", *variants})
-        if min(block_kib, num_blocks, regions, requests, blocks_per_request, inflight, repeat,
-               *more_inflight) < 1:  # fmt: skip
-            raise ValueError("every size and count must be at least 1")
+        sizes = {
+            "--block-kib": block_kib, "--blocks": num_blocks, "--regions": regions,
+            "--requests": requests, "--blocks-per-request": blocks_per_request,
+            "--inflight": min((inflight, *more_inflight)), "--repeat": repeat,
+        }  # fmt: skip
+        if small := [f"{flag} {value}" for flag, value in sizes.items() if value < 1]:
+            raise ValueError(f"{', '.join(small)}: every size and count must be at least 1")
         self.repeat, self.more_inflight = repeat, more_inflight
         if layout not in LAYOUTS:
             raise ValueError(f"--layout must be one of {LAYOUTS}, not {layout!r}")

@@ -33,18 +33,20 @@ def add_command(commands: Commands) -> None:
     demo.add_argument("--p-tp", type=int, default=1, help="P's TP size (one process per rank)")
     demo.add_argument("--d-tp", type=int, default=1, help="D's TP size (one process per rank)")
     demo.add_argument(
-        "--model", choices=sorted(MODELS), default="llama3-8b",
-        help="KV geometry of the real fabric's engines (deepseek-v2-lite: replicated MLA KV)",
+        "--model", choices=sorted(MODELS), default=None,
+        help="KV geometry of the real fabric's engines (deepseek-v2-lite: replicated MLA KV;"
+        " default: llama3-8b)",
     )  # fmt: skip
     demo.add_argument("--p-block-size", type=int, default=None, help="tokens per P block")
     demo.add_argument(
         "--d-block-size", type=int, default=None, help="tokens per D block (a multiple of P's)"
     )
     demo.add_argument(
-        "--memory-mib", type=float, default=256, help="KV cache per rank (real fabric)"
-    )
+        "--memory-mib", type=float, default=None,
+        help=f"KV cache per rank (real fabric; default {_MEMORY_MIB:g})",
+    )  # fmt: skip
     demo.add_argument(
-        "--corrupt", type=int, default=0, metavar="N",
+        "--corrupt", type=int, default=None, metavar="N",
         help="negative control (real fabric): flip one byte of P's KV in N requests; the run "
         "must then report the mismatch and exit 1",
     )  # fmt: skip
@@ -52,15 +54,40 @@ def add_command(commands: Commands) -> None:
     demo.set_defaults(run=_execute)
 
 
-def _execute(args: argparse.Namespace) -> int:
+_MEMORY_MIB = 256.0
+
+
+def _refusal(args: argparse.Namespace) -> str | None:
+    """Why these arguments cannot run as given (one line), or None; fills in the defaults of
+    the flags that apply to the real fabric only."""
     if args.requests < 1:
-        print("--requests must be at least 1", file=sys.stderr)
+        return f"--requests must be at least 1, not {args.requests}"
+    if args.fabric == "sim":
+        given = [f for f in ("model", "memory_mib", "corrupt") if getattr(args, f) is not None]
+        if given:
+            flags = ", ".join("--" + f.replace("_", "-") for f in given)
+            return f"{flags}: the real fabric's only (--fabric nixl); the simulated one has its own"
+    args.model = args.model or "llama3-8b"
+    args.memory_mib = _MEMORY_MIB if args.memory_mib is None else args.memory_mib
+    args.corrupt = args.corrupt or 0
+    if args.memory_mib <= 0 or args.corrupt < 0:
+        return "--memory-mib must be above 0 and --corrupt at least 0"
+    return None
+
+
+def _execute(args: argparse.Namespace) -> int:
+    refusal = _refusal(args)
+    if refusal is not None:
+        print(f"kvfsm demo: {refusal}", file=sys.stderr)
         return 2
     default_bs = 4 if args.fabric == "sim" else MODELS[args.model].block_size
     p_bs = args.p_block_size or default_bs
     d_bs = args.d_block_size or p_bs
     if p_bs < 1 or d_bs % p_bs:
-        print(f"--d-block-size {d_bs} must be a multiple of --p-block-size {p_bs}", file=sys.stderr)
+        print(
+            f"kvfsm demo: --d-block-size {d_bs} must be a multiple of --p-block-size {p_bs}",
+            file=sys.stderr,
+        )
         return 2
     try:
         with progress_bar(args.requests, enabled=not args.json) as advance:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from kvfsm.cli._host import require_memory
-from kvfsm.cli._presets import DTYPES, model_geometry
+from kvfsm.cli._presets import DTYPES, MAX_BLOCKS, MIN_BLOCKS, model_geometry
 from kvfsm.cli.demo._report import DemoReport, time_in_state, worst_state
 from kvfsm.core import Mode
 from kvfsm.harness import RankProcesses, RankSpec
@@ -84,8 +85,15 @@ def run_nixl_demo(
     caches = [geometry["P"].for_rank(r).kv_bytes for r in range(p_tp)] + [
         geometry["D"].for_rank(r).kv_bytes for r in range(d_tp)
     ]
+    block = max(g.block_len * g.num_regions for g in geometry.values())
+    if abs(max(caches) - memory_mib * 2**20) >= block:  # the block limits sized it, not the flag
+        print(
+            f"kvfsm demo: a rank's cache holds {MIN_BLOCKS} to {MAX_BLOCKS:,} blocks: with"
+            f" --memory-mib {memory_mib:g} the largest is {max(caches) / 2**20:,.1f} MiB",
+            file=sys.stderr,
+        )
     require_memory(
-        sum(caches), f"{len(caches)} rank KV caches of up to {max(caches) / 2**30:,.2f} GiB",
+        sum(caches), f"{len(caches)} rank KV caches of {max(caches) / 2**30:,.2f} GiB at most",
         "a smaller --memory-mib",
     )  # fmt: skip
     hash_ = compat_hash(

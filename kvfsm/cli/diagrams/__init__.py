@@ -55,6 +55,9 @@ def _execute(args: argparse.Namespace) -> int:
     except RuntimeError as exc:  # no Graphviz, or dot failed
         print(f"kvfsm diagrams: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # --out or --svg names a file, or a folder it may not write
+        print(f"kvfsm diagrams: cannot write there: {exc}", file=sys.stderr)
+        return 2
     for path in written:
         print(path)
     return 0
