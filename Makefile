@@ -50,8 +50,8 @@ demo-sim: $(STAMP)
 	$(BIN)/kvfsm demo --fabric sim
 
 lint: $(STAMP)
-	$(BIN)/ruff check kvfsm tests benchmarks
-	$(BIN)/ruff format --check kvfsm tests benchmarks
+	$(BIN)/ruff check kvfsm tests benchmarks examples
+	$(BIN)/ruff format --check kvfsm tests benchmarks examples
 
 typecheck: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/mypy

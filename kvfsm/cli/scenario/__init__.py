@@ -13,7 +13,7 @@ import msgspec
 
 from kvfsm.cli._parsing import Commands
 from kvfsm.cli._render import progress_bar, scenario_table
-from kvfsm.cli.scenario._file import Scenario, ScenarioError, load_scenario
+from kvfsm.cli.scenario._file import Scenario, ScenarioError, load_scenario, scenario_of
 from kvfsm.cli.scenario._run import ScenarioReport, run_scenario
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "add_command",
     "load_scenario",
     "run_scenario",
+    "scenario_of",
 ]
 
 

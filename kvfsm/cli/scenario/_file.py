@@ -10,8 +10,9 @@ The format is documented in docs/scenarios.md.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import msgspec.toml
@@ -39,6 +40,7 @@ __all__ = [
     "UntilStep",
     "core_config",
     "load_scenario",
+    "scenario_of",
 ]
 
 MAX_SCENARIO_BYTES = 1 << 20
@@ -229,11 +231,25 @@ def load_scenario(path: str | Path) -> Scenario:
         raise ScenarioError(f"{path}: not valid TOML: {exc}") from None
     except RecursionError:  # tomllib parses nested arrays and inline tables recursively
         raise ScenarioError(f"{path}: not valid TOML: arrays or tables nested too deeply") from None
+    return _checked(scenario, path.stem, str(path))
+
+
+def scenario_of(data: Mapping[str, Any], name: str) -> Scenario:
+    """A scenario written in code: `data` as a scenario file's TOML would decode, checked the
+    same way (`ScenarioError` says what is wrong)."""
+    try:
+        scenario = msgspec.convert(data, Scenario)
+    except msgspec.ValidationError as exc:
+        raise ScenarioError(f"{name}: {exc}") from None
+    return _checked(scenario, name, name)
+
+
+def _checked(scenario: Scenario, name: str, where: str) -> Scenario:
     if not scenario.name:
-        scenario = msgspec.structs.replace(scenario, name=path.stem)
+        scenario = msgspec.structs.replace(scenario, name=name)
     problems = _problems(scenario)
     if problems:
-        raise ScenarioError(f"{path}: " + "; ".join(problems))
+        raise ScenarioError(f"{where}: " + "; ".join(problems))
     return scenario
 
 
