@@ -123,7 +123,11 @@ def _log_to_stderr() -> None:
     """NIXL's console log goes to stderr: its handler writes to whatever `sys.stdout` was when
     NIXL was first imported, which a `--json` command keeps for its JSON alone."""
     for handler in logging.getLogger("nixl").handlers:
-        if isinstance(handler, logging.StreamHandler) and handler.stream is not sys.stderr:
+        # Only NIXL's own console handler: others (a test runner's capture) stay as they are.
+        if type(handler) is logging.StreamHandler and handler.stream in (
+            sys.stdout,
+            sys.__stdout__,
+        ):
             handler.setStream(sys.stderr)
 
 
