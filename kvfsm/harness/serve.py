@@ -26,7 +26,7 @@ CPU_FLAGS = (
     "--dtype", "float32", "--block-size", "32", "--enforce-eager", "--skip-tokenizer-init",
     "--max-model-len", "512", "--served-model-name", "tiny",
 )  # fmt: skip
-"""What vLLM on a CPU machine needs for the tiny test models (REFERENCE section 3)."""
+"""What vLLM on a CPU machine needs for the tiny test models (docs/vllm.md, "Running it")."""
 
 _COUNTER = re.compile(r'vllm:prompt_tokens_by_source_total\{[^}]*source="(\w+)"[^}]*\} (\S+)')
 

@@ -154,7 +154,7 @@ def test_blocks_that_do_not_split_into_the_views_are_refused() -> None:
 
 
 # The layouts vLLM 0.32's GPU attention backends declare (`supported_kv_cache_layouts`), most
-# preferred first; None: any (vLLM's default order then applies). REFERENCE section 7.
+# preferred first; None: any (vLLM's default order then applies). Read from vLLM 0.32's source.
 _L = KVCacheLayout
 _BACKENDS: dict[str, tuple[KVCacheLayout, ...] | None] = {
     "FlashAttention": None,
