@@ -20,12 +20,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     for command in (demo, bench, scenario, diagrams, check):
         command.add_command(commands)
+    for sub in commands.choices.values():
+        sub.formatter_class = _WithDefaults
     args = parser.parse_args(argv)
     run: Callable[[argparse.Namespace], int] = args.run
     if not getattr(args, "json", False):
         return run(args)
     with _json_only_on_stdout():
         return run(args)
+
+
+class _WithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` shows each option's default, where it has one worth showing (not None, not a
+    switch's False, not one its help already says)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 @contextlib.contextmanager

@@ -133,3 +133,12 @@ def test_diagrams_into_a_file_is_one_line_not_a_traceback(
     assert main(["diagrams", "--out", str(target)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvfsm diagrams: cannot write there:") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "scenario", "check", "diagrams"])
+def test_help_shows_the_defaults(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert "(default:" in text or "default " in text

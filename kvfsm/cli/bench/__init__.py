@@ -37,13 +37,15 @@ def add_command(commands: Commands) -> None:
     bench.add_argument("--block-kib", type=int, default=16, help="KiB of one block in one region")
     bench.add_argument("--blocks", type=int, default=2048, help="blocks per region")
     bench.add_argument("--regions", type=int, default=4, help="regions (layers x K/V)")
-    bench.add_argument("--requests", type=int, default=64)
-    bench.add_argument("--blocks-per-request", type=int, default=16)
+    bench.add_argument("--requests", type=int, default=64, help="requests each variant moves")
+    bench.add_argument(
+        "--blocks-per-request", type=int, default=16, help="blocks of every region per request"
+    )
     bench.add_argument(
         "--inflight", type=int, nargs="+", default=[4],
         help="transfers in flight at most; more than one: every variant at each (by_inflight)",
     )  # fmt: skip
-    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--seed", type=int, default=0, help="seed of the blocks and bytes")
     bench.add_argument(
         "--repeat", type=int, default=3,
         help="rounds of every variant, interleaved; each variant reports its median run",

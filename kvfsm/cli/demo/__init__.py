@@ -27,9 +27,12 @@ def add_command(commands: Commands) -> None:
         "--fabric", choices=["nixl", "sim"], default="nixl",
         help="nixl: P and D processes over real NIXL (default); sim: the simulated fabric",
     )  # fmt: skip
-    demo.add_argument("--mode", choices=["push", "pull"], default="push")
-    demo.add_argument("--requests", type=int, default=200)
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--mode", choices=["push", "pull"], default="push",
+        help="push: P WRITEs into D's blocks; pull: D READs P's",
+    )  # fmt: skip
+    demo.add_argument("--requests", type=int, default=200, help="requests to move")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the requests' sizes and blocks")
     demo.add_argument("--p-tp", type=int, default=1, help="P's TP size (one process per rank)")
     demo.add_argument("--d-tp", type=int, default=1, help="D's TP size (one process per rank)")
     demo.add_argument(
@@ -37,9 +40,14 @@ def add_command(commands: Commands) -> None:
         help="KV geometry of the real fabric's engines (deepseek-v2-lite: replicated MLA KV;"
         " default: llama3-8b)",
     )  # fmt: skip
-    demo.add_argument("--p-block-size", type=int, default=None, help="tokens per P block")
     demo.add_argument(
-        "--d-block-size", type=int, default=None, help="tokens per D block (a multiple of P's)"
+        "--p-block-size", type=int, default=None, help="tokens per P block (default: the model's)"
+    )
+    demo.add_argument(
+        "--d-block-size",
+        type=int,
+        default=None,
+        help="tokens per D block, a multiple of P's (default: P's)",
     )
     demo.add_argument(
         "--memory-mib", type=float, default=None,

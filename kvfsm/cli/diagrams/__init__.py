@@ -31,7 +31,7 @@ _DIAGRAMS = Path("docs/diagrams")
 def add_command(commands: Commands) -> None:
     """`kvfsm diagrams`: the state diagrams from models/."""
     diagrams = commands.add_parser("diagrams", help="generate docs/diagrams from models/")
-    diagrams.add_argument("--out", type=Path, default=_DIAGRAMS)
+    diagrams.add_argument("--out", type=Path, default=_DIAGRAMS, help="the folder to write")
     diagrams.add_argument("--check", action="store_true", help="fail if they are stale")
     diagrams.add_argument(
         "--svg", type=Path, default=None, metavar="DIR",
