@@ -43,7 +43,10 @@ def test_demo_refuses_caches_larger_than_the_host(capsys: pytest.CaptureFixture[
         pytest.skip("this host has the memory (or does not say how much)")
     status = main(["demo", "--memory-mib", str(2**30), "--requests", "1"])
     assert status == 2
-    assert "2 rank KV caches of up to 128.00 GiB" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # The block cap sized the caches, not the flag: said first, then the refusal.
+    assert "a rank's cache holds 8 to 65,536 blocks" in err
+    assert "2 rank KV caches of 128.00 GiB at most need 256.0 GiB" in err
 
 
 def test_a_bench_process_that_dies_is_reported_at_once() -> None:
