@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,3 +123,18 @@ def assert_d_serves_p_tokens(
         assert tokens(served.address, prompt) == tokens(p.address, prompt), len(prompt)
     counts = d.prompt_tokens_by_source()
     assert counts.get("external_kv_transfer") == sum(len(x) - backoff for x in prompts), counts
+
+
+def assert_concurrent_prompts_move_their_kv(
+    served: Deployment, prompts: Sequence[list[int]]
+) -> None:
+    """All `prompts` at once through the proxy: D serves P's own tokens for each, and D counts
+    every prompt token as received over the connector (none recomputed)."""
+    (p,), (d,) = served.prefill, served.decode
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        expected = list(pool.map(lambda x: tokens(p.address, x), prompts))
+        before = d.prompt_tokens_by_source().get("external_kv_transfer", 0.0)
+        got = list(pool.map(lambda x: tokens(served.address, x), prompts))
+    assert got == expected
+    received = d.prompt_tokens_by_source()["external_kv_transfer"] - before
+    assert received == sum(len(x) for x in prompts)

@@ -11,16 +11,15 @@ where vLLM gave D fewer)."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from serving import (
     Deployment,
     assert_a_skipping_d_is_caught,
+    assert_concurrent_prompts_move_their_kv,
     assert_d_serves_p_tokens,
     served_in_both_modes,
-    tokens,
 )
 
 from kvfsm.harness.vllm_pd import make_tiny_llama
@@ -43,15 +42,8 @@ def test_d_serves_p_tokens(served: Deployment) -> None:
 
 
 def test_64_concurrent_prompts_of_every_length_all_move_their_kv(served: Deployment) -> None:
-    (p,), (d,) = served.prefill, served.decode
     load = [[(13 * i + 3 * j) % 1000 + 1 for j in range(40 + 5 * i)] for i in range(64)]
-    with ThreadPoolExecutor(len(load)) as pool:
-        expected = list(pool.map(lambda x: tokens(p.address, x), load))
-        before = d.prompt_tokens_by_source().get("external_kv_transfer", 0.0)
-        got = list(pool.map(lambda x: tokens(served.address, x), load))
-    assert got == expected
-    received = d.prompt_tokens_by_source()["external_kv_transfer"] - before
-    assert received == sum(len(x) for x in load)  # every request's KV moved, none recomputed
+    assert_concurrent_prompts_move_their_kv(served, load)
 
 
 def test_a_d_that_moves_nothing_is_caught(model: Path, tmp_path: Path) -> None:
