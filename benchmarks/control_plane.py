@@ -36,8 +36,10 @@ def main() -> None:
     if args.json:
         print(json.dumps(results))
         return
-    print(f"{'mode':<6}{'in flight':>10}{'core us':>10}{'engine us':>11}{'bytes/req':>11}"
-          f"{'core + conformance us':>23}")  # fmt: skip
+    print(
+        f"{'mode':<6}{'in flight':>10}{'core us':>10}{'engine us':>11}{'bytes/req':>11}"
+        f"{'core + conformance us':>23}"
+    )
     for mode, by_n in results.items():
         for n, f in by_n.items():
             print(

@@ -115,9 +115,15 @@ def _poll1ms_rank_main(spec: RankSpec, conn: Connection) -> None:
 
 
 def run_loop(
-    loop: LoopKind, mode: Mode, requests: int, *, model: str = "llama3-8b", max_blocks: int = 4,
-    ucx_error_handling: UcxErrorHandling = UCX_ERROR_HANDLING_DEFAULT, seed: int = 0,
-) -> Tally:  # fmt: skip
+    loop: LoopKind,
+    mode: Mode,
+    requests: int,
+    *,
+    model: str = "llama3-8b",
+    max_blocks: int = 4,
+    ucx_error_handling: UcxErrorHandling = UCX_ERROR_HANDLING_DEFAULT,
+    seed: int = 0,
+) -> Tally:
     """Run `requests` requests one at a time through a P and a D rank process driven by
     `loop`; what the ranks reported (hand-off times in `handoff_ms`)."""
     geometry = model_geometry(
@@ -129,10 +135,18 @@ def run_loop(
     main = rank_main if loop == "event" else _poll1ms_rank_main
     ranks = RankProcesses()
     for side in ("P", "D"):
-        ranks.start(RankSpec(
-            side, mode, geometry.for_rank(0), 1, _BLOCK_SIZE, hash_,
-            ucx_error_handling=ucx_error_handling,
-        ), main)  # fmt: skip
+        ranks.start(
+            RankSpec(
+                side,
+                mode,
+                geometry.for_rank(0),
+                1,
+                _BLOCK_SIZE,
+                hash_,
+                ucx_error_handling=ucx_error_handling,
+            ),
+            main,
+        )
     tally = Tally()
     try:
         ranks.connect(ranks.await_ready())
@@ -158,22 +172,34 @@ def _one_at_a_time(driver: Driver, requests: int, ranks: RankProcesses) -> None:
 
 
 def bench_handoff(
-    mode: str = "pull", requests: int = 300, *, model: str = "llama3-8b", max_blocks: int = 4,
+    mode: str = "pull",
+    requests: int = 300,
+    *,
+    model: str = "llama3-8b",
+    max_blocks: int = 4,
     ucx_error_handling: UcxErrorHandling = UCX_ERROR_HANDLING_DEFAULT,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """Hand-off p50/p99 with each loop, their ratio, and what was received and checked."""
     if mode not in ("pull", "push"):
         raise ValueError(f"mode must be pull or push, not {mode!r}")
     out: dict[str, Any] = {
-        "mode": mode, "requests": requests, "model": model, "max_blocks": max_blocks,
-        "ucx_error_handling": ucx_error_handling, "warmup_requests_left_out": _WARMUP,
-    }  # fmt: skip
+        "mode": mode,
+        "requests": requests,
+        "model": model,
+        "max_blocks": max_blocks,
+        "ucx_error_handling": ucx_error_handling,
+        "warmup_requests_left_out": _WARMUP,
+    }
     transfer_mode: Mode = "push" if mode == "push" else "pull"
     for loop in LOOPS:
         tally = run_loop(
-            loop, transfer_mode, requests, model=model, max_blocks=max_blocks,
+            loop,
+            transfer_mode,
+            requests,
+            model=model,
+            max_blocks=max_blocks,
             ucx_error_handling=ucx_error_handling,
-        )  # fmt: skip
+        )
         ms = tally.handoff_ms[_WARMUP:] or tally.handoff_ms
         out |= {
             f"handoff_{loop}_ms_p50": _round(np.percentile(ms, 50)) if ms else None,
@@ -204,9 +230,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
     figures = bench_handoff(
-        args.mode, args.requests, model=args.model, max_blocks=args.max_blocks,
+        args.mode,
+        args.requests,
+        model=args.model,
+        max_blocks=args.max_blocks,
         ucx_error_handling=args.ucx_error_handling or UCX_ERROR_HANDLING_DEFAULT,
-    )  # fmt: skip
+    )
     figures_table("hand-off: event-driven loop vs 1 ms polling", figures, as_json=args.json)
 
 

@@ -35,8 +35,15 @@ from kvfsm.cli.bench._raw import BenchPlan, run_variant
 from kvfsm.fabric import NixlFabric
 
 _ENV = "KVFSM_NIXL_CALLS_DIR"
-_CALLS = ("make_prepped_xfer", "transfer", "check_xfer_state", "release_xfer_handle",
-          "xfer_telemetry", "send_notif", "get_new_notifs")  # fmt: skip
+_CALLS = (
+    "make_prepped_xfer",
+    "transfer",
+    "check_xfer_state",
+    "release_xfer_handle",
+    "xfer_telemetry",
+    "send_notif",
+    "get_new_notifs",
+)
 _calls: Counter[str] = Counter()
 _ns: Counter[str] = Counter()
 _warm = [False]  # counting starts once the warm-up's transfer returned
@@ -126,8 +133,10 @@ def main() -> None:
         print(json.dumps(report))
         return
     for variant, m in report.items():
-        print(f"{variant}: {m['wall_us']:.1f} µs a request; in NIXL {m['nixl_us']:.1f},"
-              f" outside {m['rest_us']:.1f}")  # fmt: skip
+        print(
+            f"{variant}: {m['wall_us']:.1f} µs a request; in NIXL {m['nixl_us']:.1f},"
+            f" outside {m['rest_us']:.1f}"
+        )
         for name, (count, us) in m["calls"].items():
             print(f"    {name:20s} {count:5.2f} calls  {us:6.1f} µs a request")
 

@@ -33,10 +33,16 @@ def measure(sizes_kib: list[int], request_kib: int, requests: int, mode: str) ->
     for kib in sizes_kib:
         per_request = max(1, request_kib // (kib * regions))
         options = BenchOptions(
-            mode=mode, allocation="fragmented", block_kib=kib, num_blocks=requests * per_request,
-            regions=regions, requests=requests, blocks_per_request=per_request, inflight=4,
+            mode=mode,
+            allocation="fragmented",
+            block_kib=kib,
+            num_blocks=requests * per_request,
+            regions=regions,
+            requests=requests,
+            blocks_per_request=per_request,
+            inflight=4,
             seed=0,
-        )  # fmt: skip
+        )
         report = run_bench(options, lambda _: None)
         by_size[str(kib)] = {k: report[f"{k}_gbps"] for k in _VARIANTS}
         print(f"{kib} KiB descriptors: {by_size[str(kib)]}", flush=True)
@@ -58,8 +64,12 @@ def plot(figures: dict[str, Any], out: Path) -> None:
     sizes = [int(k) for k in figures["gbps_by_size"]]
     for key, label in _VARIANTS.items():
         left.plot(sizes, [figures["gbps_by_size"][str(s)][key] for s in sizes], "o-", label=label)
-    left.set(xscale="log", xlabel="descriptor size (KiB)", ylabel="GB/s",
-             title=f"{figures['mode']}: {figures['request_kib']} KiB per request, fragmented")  # fmt: skip
+    left.set(
+        xscale="log",
+        xlabel="descriptor size (KiB)",
+        ylabel="GB/s",
+        title=f"{figures['mode']}: {figures['request_kib']} KiB per request, fragmented",
+    )
     left.set_xticks(sizes, [str(s) for s in sizes])
     left.minorticks_off()
     left.legend(fontsize=8)
@@ -67,8 +77,13 @@ def plot(figures: dict[str, Any], out: Path) -> None:
     for key, label in (("core_us", "core (P + D)"), ("engine_us", "engines on SimFabric")):
         right.plot(counts, [figures["control"][str(n)][key] for n in counts], "o-", label=label)
     right.axhline(50, color="grey", linestyle=":", label="goal: 50 µs")
-    right.set(xscale="log", xlabel="requests in flight", ylabel="CPU µs per request lifecycle",
-              title="control plane", ylim=(0, None))  # fmt: skip
+    right.set(
+        xscale="log",
+        xlabel="requests in flight",
+        ylabel="CPU µs per request lifecycle",
+        title="control plane",
+        ylim=(0, None),
+    )
     right.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)

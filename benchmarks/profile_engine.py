@@ -40,13 +40,20 @@ def contiguous_plan(mode: str, requests: int, regions: int) -> BenchPlan:
     """`requests` requests of 16 blocks of 16 KiB in each of `regions` regions, contiguous
     (`regions=4`: 1 MiB requests), as the bench's defaults lay them out."""
     src, dst = plan_requests(
-        requests=requests, blocks=_BLOCKS, num_blocks=requests * _BLOCKS,
-        allocation="contiguous", seed=0,
-    )  # fmt: skip
+        requests=requests,
+        blocks=_BLOCKS,
+        num_blocks=requests * _BLOCKS,
+        allocation="contiguous",
+        seed=0,
+    )
     return BenchPlan(
-        block_bytes=_BLOCK_BYTES, num_blocks=requests * _BLOCKS, regions=regions,
-        op="WRITE" if mode == "push" else "READ", src=src, dst=dst,
-    )  # fmt: skip
+        block_bytes=_BLOCK_BYTES,
+        num_blocks=requests * _BLOCKS,
+        regions=regions,
+        op="WRITE" if mode == "push" else "READ",
+        src=src,
+        dst=dst,
+    )
 
 
 def run(mode: str, requests: int, regions: int) -> None:

@@ -52,8 +52,10 @@ def _engines(name: str, model: Path, logs: Path) -> tuple[Served, Served]:
         if name.startswith("nixl"):
             connector = "NixlConnector" if name == "nixl_pull" else "NixlPushConnector"
             config: dict[str, Any] = {"kv_connector": connector, "kv_role": role}
-            env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                   "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}  # fmt: skip
+            env = {
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+            }
         else:
             config = kvfsm_transfer_config(role, name.removeprefix("kvfsm_"), free_port())
         engines.append(Served(model, free_port(), logs / f"{name}-{side}.log", config, env=env))
@@ -62,8 +64,15 @@ def _engines(name: str, model: Path, logs: Path) -> tuple[Served, Served]:
 
 def _request(proxy: str, prompt: list[int]) -> tuple[float, float, list[int]]:
     """One completion through the proxy: (TTFT s, hand-off s, token ids)."""
-    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
-                       "return_token_ids": True}).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "return_token_ids": True,
+        }
+    ).encode()
     request = urllib.request.Request(
         f"http://{proxy}/v1/completions", body, {"Content-Type": "application/json"}
     )
@@ -86,12 +95,13 @@ def _batch(
     ttft = np.array([r[0] for r in results]) * 1e3
     handoff = np.array([r[1] for r in results]) * 1e3
     return {
-        "ttft_ms_p50": float(np.percentile(ttft, 50)), "ttft_ms_p99": float(np.percentile(ttft, 99)),
+        "ttft_ms_p50": float(np.percentile(ttft, 50)),
+        "ttft_ms_p99": float(np.percentile(ttft, 99)),
         "handoff_ms_p50": float(np.percentile(handoff, 50)),
         "handoff_ms_p99": float(np.percentile(handoff, 99)),
         "requests_per_s": len(prompts) / wall,
         "mismatches": sum(r[2] != e for r, e in zip(results, expected, strict=True)),
-    }  # fmt: skip
+    }
 
 
 def bench_one(name: str, model: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -107,8 +117,12 @@ def bench_one(name: str, model: Path, args: argparse.Namespace) -> dict[str, Any
         address = f"127.0.0.1:{proxy.port}"
         _progress(f"{name}: engines ready ({time.monotonic() - t0:.0f} s); warm-up")
         expected = [complete(p.address, x, 1)["choices"][0]["token_ids"] for x in args.prompts]
-        _batch(address, args.warm, [complete(p.address, x, 1)["choices"][0]["token_ids"]
-                                    for x in args.warm], 4)  # fmt: skip
+        _batch(
+            address,
+            args.warm,
+            [complete(p.address, x, 1)["choices"][0]["token_ids"] for x in args.warm],
+            4,
+        )
         rows = {}
         for n in args.concurrency:
             _progress(f"{name}: {len(args.prompts)} requests, {n} in flight")
@@ -131,16 +145,23 @@ def add_ratios(report: dict[str, Any]) -> None:
     for row in report["connectors"].values():
         for n, cell in row["by_concurrency"].items():
             ref = reference.get(n)
-            for key in ("ttft_ms_p50", "ttft_ms_p99", "handoff_ms_p50", "handoff_ms_p99",
-                        "requests_per_s"):  # fmt: skip
+            for key in (
+                "ttft_ms_p50",
+                "ttft_ms_p99",
+                "handoff_ms_p50",
+                "handoff_ms_p99",
+                "requests_per_s",
+            ):
                 cell[f"ratio_{key}"] = cell[key] / ref[key] if ref and ref[key] else None
 
 
 def table(report: dict[str, Any]) -> str:
     """The report as a fixed-width table (ratios: this row over NixlConnector's)."""
-    head = (f"{'connector':<11} {'in flight':>9} {'TTFT p50':>9} {'p99':>8} {'hand-off p50':>12}"
-            f" {'p99':>8} {'req/s':>7} {'ratio TTFT p50/p99':>19} {'hand-off p50/p99':>17}"
-            f" {'req/s':>6}")  # fmt: skip
+    head = (
+        f"{'connector':<11} {'in flight':>9} {'TTFT p50':>9} {'p99':>8} {'hand-off p50':>12}"
+        f" {'p99':>8} {'req/s':>7} {'ratio TTFT p50/p99':>19} {'hand-off p50/p99':>17}"
+        f" {'req/s':>6}"
+    )
     lines = [head, "-" * len(head)]
 
     def r(x: float | None) -> str:
@@ -182,8 +203,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.prompts = make_prompts(args.requests, args.seed)
     args.warm = make_prompts(8, args.seed + 1)
     model = make_tiny_llama(Path(tempfile.gettempdir()) / "kvfsm-tiny-llama")
-    report: dict[str, Any] = {"requests": args.requests, "concurrency": args.concurrency,
-                              "log_dir": str(args.log_dir), "connectors": {}}  # fmt: skip
+    report: dict[str, Any] = {
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "log_dir": str(args.log_dir),
+        "connectors": {},
+    }
     for name in args.only or DEFAULT:
         report["connectors"][name] = bench_one(name, model, args)
     add_ratios(report)

@@ -41,22 +41,30 @@ def demo_table(report: DemoReport) -> None:
     blocks = f"{report.p_block_size} -> {report.d_block_size} tokens"
     rows: list[tuple[str, object]] = [
         ("requests", report.requests),
-        ("done / failed / expired / aborted",
-         f"{report.done} / {report.failed} / {report.expired} / {report.aborted}"),
+        (
+            "done / failed / expired / aborted",
+            f"{report.done} / {report.failed} / {report.expired} / {report.aborted}",
+        ),
         ("every byte verified", "yes" if report.verified else "NO"),
         ("safety violations", len(report.violations)),
         ("TP (P -> D)", f"{report.p_tp} -> {report.d_tp}"),
         ("block size (P -> D)", blocks),
         ("bytes moved", f"{report.bytes:,}"),
-    ]  # fmt: skip
+    ]
     if report.fabric == "nixl":
         rows += [
             ("model", report.model),
             ("GB/s (demo wall time)", f"{report.gbps:.2f}"),
-            ("hand-off p50 / p99 (ms)", f"{report.handoff_ms_p50:.2f} / {report.handoff_ms_p99:.2f}"),
-            ("descriptors posted / moved by NIXL", f"{report.descriptors:,} / {report.fabric_descriptors:,}"),
+            (
+                "hand-off p50 / p99 (ms)",
+                f"{report.handoff_ms_p50:.2f} / {report.handoff_ms_p99:.2f}",
+            ),
+            (
+                "descriptors posted / moved by NIXL",
+                f"{report.descriptors:,} / {report.fabric_descriptors:,}",
+            ),
             ("wall seconds", f"{report.wall_s:.2f}"),
-        ]  # fmt: skip
+        ]
     else:
         rows += [("simulated seconds", f"{report.simulated_s:.3f}")]
     rows.append(("CPU seconds (this process)", f"{report.cpu_s:.2f}"))
@@ -110,8 +118,10 @@ def bench_table(report: dict[str, object]) -> None:
         if f"{key}_gbps" not in report:  # a variant left out (--variants)
             continue
         value = float(report[f"{key}_gbps"])  # type: ignore[arg-type]
-        cells = [f"{report[f'{key}_{x}']:.2f}" if f"{key}_{x}" in report else ""
-                 for x in ("ms_p50", "ms_p99", "cpu_us_per_request")]  # fmt: skip
+        cells = [
+            f"{report[f'{key}_{x}']:.2f}" if f"{key}_{x}" in report else ""
+            for x in ("ms_p50", "ms_p99", "cpu_us_per_request")
+        ]
         posted, moved = (report.get(f"{key}_{x}descriptors_per_request") for x in ("", "fabric_"))
         rows_cell = (
             "" if posted is None else f"{posted:.0f}/{'?' if moved is None else f'{moved:.0f}'}"
@@ -143,13 +153,24 @@ def bench_table(report: dict[str, object]) -> None:
     sweep = report.get("by_inflight")
     if isinstance(sweep, dict):
         by = Table(title="by transfers in flight")
-        for column in ("in flight", "a2 GB/s", "b GB/s", "b/a2", "hand-off p50 µs",
-                       "raw notified p50 µs"):  # fmt: skip
+        for column in (
+            "in flight",
+            "a2 GB/s",
+            "b GB/s",
+            "b/a2",
+            "hand-off p50 µs",
+            "raw notified p50 µs",
+        ):
             by.add_column(column, justify="right")
         for n, f in sweep.items():
-            by.add_row(n, f"{f['raw_gbps']:.2f}", f"{f['engine_gbps']:.2f}",
-                       f"{f['ratio_engine_raw']:.2f}", f"{f['handoff_us_p50']:.0f}",
-                       f"{f['raw_notified_us_p50']:.0f}")  # fmt: skip
+            by.add_row(
+                n,
+                f"{f['raw_gbps']:.2f}",
+                f"{f['engine_gbps']:.2f}",
+                f"{f['ratio_engine_raw']:.2f}",
+                f"{f['handoff_us_p50']:.0f}",
+                f"{f['raw_notified_us_p50']:.0f}",
+            )
         console.print(by)
     control = report.get("control_us_per_request")
     engine = report.get("control_engine_us_per_request")

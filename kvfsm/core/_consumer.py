@@ -222,9 +222,16 @@ class Consumer(Side):
         for link in req.links.values():
             link.deadline = deadline
             reg = Registration(
-                req.peer_request_id, req.id, me.rank, me.tp_size, me.engine_id, blocks, deadline,
-                me.contact, self.incarnation,
-            )  # fmt: skip
+                req.peer_request_id,
+                req.id,
+                me.rank,
+                me.tp_size,
+                me.engine_id,
+                blocks,
+                deadline,
+                me.contact,
+                self.incarnation,
+            )
             self._send(link.agent, reg)
 
     def _req_cmd_send_cancel(self, req: Request) -> None:

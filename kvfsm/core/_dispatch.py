@@ -19,9 +19,17 @@ from kvfsm.core._deadlines import Deadlines
 from kvfsm.lifecycle import Lifecycle, protocol_error
 
 __all__ = [
-    "Deadlines", "Dispatcher", "FlatHistory", "History", "Instance", "RunQueue", "Step",
-    "StepFailed", "Tombstones", "unflatten",
-]  # fmt: skip
+    "Deadlines",
+    "Dispatcher",
+    "FlatHistory",
+    "History",
+    "Instance",
+    "RunQueue",
+    "Step",
+    "StepFailed",
+    "Tombstones",
+    "unflatten",
+]
 
 
 History = tuple[tuple[str, str, float], ...]

@@ -267,9 +267,14 @@ class NixlFabric:
         both sides, unless `merge` is False: for measuring what that merging is worth)."""
         with self._translated:
             xfer = self._agent.make_prepped_xfer(
-                op, self._get(self._dlists, local), local_idx, self._get(self._dlists, remote),
-                remote_idx, notif, skip_desc_merge=not merge,
-            )  # fmt: skip
+                op,
+                self._get(self._dlists, local),
+                local_idx,
+                self._get(self._dlists, remote),
+                remote_idx,
+                notif,
+                skip_desc_merge=not merge,
+            )
         return self._keep(self._xfers, xfer)
 
     def make_xfer(
@@ -279,9 +284,12 @@ class NixlFabric:
         merging of adjacent rows)."""
         with self._translated:
             xfer = self._agent.initialize_xfer(
-                op, self._agent.get_xfer_descs(local, self._mem_type),
-                self._agent.get_xfer_descs(remote, self._mem_type), agent, notif,
-            )  # fmt: skip
+                op,
+                self._agent.get_xfer_descs(local, self._mem_type),
+                self._agent.get_xfer_descs(remote, self._mem_type),
+                agent,
+                notif,
+            )
         return self._keep(self._xfers, xfer)
 
     def transfer(self, handle: XferHandle) -> XferState:

@@ -212,9 +212,14 @@ class SimFabric:
         if len(li) != len(ri):
             raise FabricError(f"local_idx has {len(li)} rows but remote_idx has {len(ri)}")
         return self._new_xfer(
-            op, rd.peer, rd.gen, (ld.region[li], ld.offset[li], ld.length[li]),
-            (rd.region[ri], rd.offset[ri], rd.length[ri]), notif, merge=True,
-        )  # fmt: skip
+            op,
+            rd.peer,
+            rd.gen,
+            (ld.region[li], ld.offset[li], ld.length[li]),
+            (rd.region[ri], rd.offset[ri], rd.length[ri]),
+            notif,
+            merge=True,
+        )
 
     def make_xfer(
         self, op: XferOp, local: DescArray, agent: str, remote: DescArray, notif: bytes
@@ -229,9 +234,14 @@ class SimFabric:
         if len(lr) != len(rr):
             raise FabricError(f"{len(lr)} local rows cannot pair with {len(rr)} remote rows")
         return self._new_xfer(
-            op, agent, meta.gen, (lr, lo, local[:, 1].copy()), (rr, ro, remote[:, 1].copy()),
-            notif, merge=False,
-        )  # fmt: skip
+            op,
+            agent,
+            meta.gen,
+            (lr, lo, local[:, 1].copy()),
+            (rr, ro, remote[:, 1].copy()),
+            notif,
+            merge=False,
+        )
 
     def _new_xfer(
         self,

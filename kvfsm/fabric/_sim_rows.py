@@ -15,9 +15,20 @@ import numpy.typing as npt
 from kvfsm.fabric._protocol import FabricError, XferOp
 
 __all__ = [
-    "I64", "META_KIND", "BytesObserver", "Dlist", "Meta", "Region", "Xfer", "check_buffer", "copy_rows", "indices", "merged_rows",
-    "resolve", "written_ranges",
-]  # fmt: skip
+    "I64",
+    "META_KIND",
+    "BytesObserver",
+    "Dlist",
+    "Meta",
+    "Region",
+    "Xfer",
+    "check_buffer",
+    "copy_rows",
+    "indices",
+    "merged_rows",
+    "resolve",
+    "written_ranges",
+]
 
 I64 = npt.NDArray[np.int64]
 BytesObserver: TypeAlias = Callable[[str, list[tuple[int, int]], str, list[tuple[int, int]]], None]

@@ -73,8 +73,10 @@ def ucx_env(host: Host) -> dict[str, str]:
     UCX would find the peer on the same machine and copy through shared memory or CMA, never
     touching the link), with `TCP_USER_TIMEOUT`."""
     return {
-        "UCX_TLS": "tcp", "UCX_NET_DEVICES": host.device, "UCX_TCP_USER_TIMEOUT": TCP_USER_TIMEOUT
-    }  # fmt: skip
+        "UCX_TLS": "tcp",
+        "UCX_NET_DEVICES": host.device,
+        "UCX_TCP_USER_TIMEOUT": TCP_USER_TIMEOUT,
+    }
 
 
 def _run(args: Sequence[str], what: str) -> str:
@@ -167,10 +169,23 @@ class NetnsPair:
         # Created directly inside the namespaces: nothing is left in the root namespace even if
         # this run dies, and the device names cannot collide with another run's.
         _run(
-            ["ip", "link", "add", self.a.device, "netns", self.a.netns, "type", "veth",
-             "peer", "name", self.b.device, "netns", self.b.netns],
+            [
+                "ip",
+                "link",
+                "add",
+                self.a.device,
+                "netns",
+                self.a.netns,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                self.b.device,
+                "netns",
+                self.b.netns,
+            ],
             "creating the veth pair",
-        )  # fmt: skip
+        )
         for host in (self.a, self.b):
             self._ip(host, "addr", "add", f"{host.address}/24", "dev", host.device)
             self._ip(host, "link", "set", "lo", "up")
@@ -195,10 +210,25 @@ class NetnsPair:
         self._limited = True
         for host in (self.a, self.b):
             _run(
-                ["tc", "-n", host.netns, "qdisc", "replace", "dev", host.device, "root", "tbf",
-                 "rate", rate, "burst", "32kbit", "latency", "100ms"],
+                [
+                    "tc",
+                    "-n",
+                    host.netns,
+                    "qdisc",
+                    "replace",
+                    "dev",
+                    host.device,
+                    "root",
+                    "tbf",
+                    "rate",
+                    rate,
+                    "burst",
+                    "32kbit",
+                    "latency",
+                    "100ms",
+                ],
                 f"limiting the link in {host.netns}",
-            )  # fmt: skip
+            )
 
     def unlimit(self) -> None:
         """Remove the rate limit, if any."""

@@ -160,15 +160,25 @@ def open_rank(
         validate, expect_mode=core.mode, local=kv.geometry, local_is_p=core.side == "P"
     )
     directory = ZmqDirectory(
-        addresses, compat_hash=compat_hash, wire_version=WIRE_VERSION,
+        addresses,
+        compat_hash=compat_hash,
+        wire_version=WIRE_VERSION,
         timeout_s=handshake_timeout_s,
-        check=check, secret=shared, requester=core.identity.agent,
-    )  # fmt: skip
+        check=check,
+        secret=shared,
+        requester=core.identity.agent,
+    )
     guests = Guests()  # who handshaked with the listener: the engine takes their notifications
     engine = Engine(
-        core, fabric, kv, directory, time.monotonic, coalesce=coalesce, secret=shared,
+        core,
+        fabric,
+        kv,
+        directory,
+        time.monotonic,
+        coalesce=coalesce,
+        secret=shared,
         guests=guests,
-    )  # fmt: skip
+    )
     payload = payload_of(engine, compat_hash=compat_hash, wire_version=WIRE_VERSION)
     listener = HandshakeListener(
         {engine.agent: payload}.get, host=host, port=port, secret=shared, guests=guests
@@ -198,13 +208,21 @@ def _serve(spec: RankSpec, conn: Connection, send: _Sender, make_loop: LoopFacto
     )
     kv = KvCache.allocate(g)
     rank = open_rank(
-        core, kv, compat_hash=spec.compat_hash, ucx_error_handling=spec.ucx_error_handling,
-        host=spec.host, port=spec.port, secret=spec.secret,
+        core,
+        kv,
+        compat_hash=spec.compat_hash,
+        ucx_error_handling=spec.ucx_error_handling,
+        host=spec.host,
+        port=spec.port,
+        secret=spec.secret,
         handshake_timeout_s=spec.handshake_timeout_s,
-    )  # fmt: skip
+    )
     engine, directory, listener, addresses = (
-        rank.engine, rank.directory, rank.listener, rank.addresses
-    )  # fmt: skip
+        rank.engine,
+        rank.directory,
+        rank.listener,
+        rank.addresses,
+    )
     reporter = _Reporter(spec, kv, send)
     loop = (make_loop or EngineLoop)(engine, reporter.put)
     directory.on_result = loop.wake
@@ -326,9 +344,13 @@ class _Reporter:
             elif isinstance(out, ReportReceived):
                 key, tokens = self._expected.pop(out.request_id)
                 check = check_request(
-                    self._kv, request_seed(key), out.blocks, unit_tokens=self._spec.unit_tokens,
-                    first_token=0, tokens=tokens,
-                )  # fmt: skip
+                    self._kv,
+                    request_seed(key),
+                    out.blocks,
+                    unit_tokens=self._spec.unit_tokens,
+                    first_token=0,
+                    tokens=tokens,
+                )
                 self._send(("received", out.request_id, check.compared, check.wrong, at))
             elif isinstance(out, ReportFailed):
                 self._expected.pop(out.request_id, None)

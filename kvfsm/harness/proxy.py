@@ -95,9 +95,10 @@ class Proxy:
 
 def _post(address: str, body: dict[str, Any]) -> tuple[int, bytes]:
     request = urllib.request.Request(
-        f"http://{address}/v1/completions", json.dumps(body).encode(),
+        f"http://{address}/v1/completions",
+        json.dumps(body).encode(),
         {"Content-Type": "application/json"},
-    )  # fmt: skip
+    )
     try:
         with urllib.request.urlopen(request, timeout=_TIMEOUT_S) as answer:
             return int(answer.status), bytes(answer.read())

@@ -23,9 +23,17 @@ from typing import Any
 __all__ = ["CPU_FLAGS", "ServeError", "Served", "complete", "kvfsm_transfer_config"]
 
 CPU_FLAGS = (
-    "--dtype", "float32", "--block-size", "32", "--enforce-eager", "--skip-tokenizer-init",
-    "--max-model-len", "512", "--served-model-name", "tiny",
-)  # fmt: skip
+    "--dtype",
+    "float32",
+    "--block-size",
+    "32",
+    "--enforce-eager",
+    "--skip-tokenizer-init",
+    "--max-model-len",
+    "512",
+    "--served-model-name",
+    "tiny",
+)
 """What vLLM on a CPU machine needs for the tiny test models (docs/vllm.md, "Running it")."""
 
 _COUNTER = re.compile(r'vllm:prompt_tokens_by_source_total\{[^}]*source="(\w+)"[^}]*\} (\S+)')
@@ -57,9 +65,15 @@ class Served:
     """One `vllm serve` process on `port`; its output goes to `log`."""
 
     def __init__(
-        self, model: Path, port: int, log: Path, kv_transfer_config: Mapping[str, Any] | None = None,
-        *, flags: Sequence[str] = (), env: Mapping[str, str] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        model: Path,
+        port: int,
+        log: Path,
+        kv_transfer_config: Mapping[str, Any] | None = None,
+        *,
+        flags: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.port, self.log = port, log
         vllm = Path(sys.executable).with_name("vllm")
         command = [str(vllm), "serve", str(model), "--port", str(port), *CPU_FLAGS, *flags]
@@ -139,9 +153,10 @@ def complete(address: str, prompt: list[int], max_tokens: int = 8, **extra: Any)
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
     body.update(return_token_ids=True, **extra)
     request = urllib.request.Request(
-        f"http://{address}/v1/completions", json.dumps(body).encode(),
+        f"http://{address}/v1/completions",
+        json.dumps(body).encode(),
         {"Content-Type": "application/json"},
-    )  # fmt: skip
+    )
     with urllib.request.urlopen(request, timeout=120) as answer:
         result: dict[str, Any] = json.loads(answer.read())
     return result

@@ -124,15 +124,32 @@ def make_tiny_hybrid(path: Path, seed: int = 0) -> Path:
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
     config = GraniteMoeHybridConfig(
-        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        layer_types=["linear_attention", "full_attention"] * 2, num_local_experts=0,
-        num_experts_per_tok=0, shared_intermediate_size=512, position_embedding_type="rope",
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, mamba_n_heads=8,
-        mamba_n_groups=1, mamba_d_state=16, mamba_d_head=64, mamba_d_conv=4, mamba_expand=2,
-        mamba_chunk_size=64, initializer_range=0.1, tie_word_embeddings=False, bos_token_id=1,
-        eos_token_id=2, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        layer_types=["linear_attention", "full_attention"] * 2,
+        num_local_experts=0,
+        num_experts_per_tok=0,
+        shared_intermediate_size=512,
+        position_embedding_type="rope",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        mamba_n_heads=8,
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_d_head=64,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=64,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     torch.manual_seed(seed)
     return _save(GraniteMoeHybridForCausalLM(config).float(), path)  # type: ignore[no-untyped-call]
 

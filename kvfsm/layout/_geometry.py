@@ -21,8 +21,14 @@ from kvfsm.layout._ids import positive_int
 __all__ = ["KvGeometry"]
 
 _POSITIVE_FIELDS = (
-    "num_layers", "num_kv_heads", "head_dim", "dtype_bytes", "block_size", "num_blocks", "tp_size",
-)  # fmt: skip
+    "num_layers",
+    "num_kv_heads",
+    "head_dim",
+    "dtype_bytes",
+    "block_size",
+    "num_blocks",
+    "tp_size",
+)
 
 
 class KvGeometry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

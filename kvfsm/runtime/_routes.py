@@ -97,6 +97,8 @@ def prepare_route(
         fabric.release_dlist_handle(local)
         raise
     return route._replace(
-        local=local, remote=remote, row_bytes=int(rows[0, 1]) if len(rows) else 0,
+        local=local,
+        remote=remote,
+        row_bytes=int(rows[0, 1]) if len(rows) else 0,
         descriptors=(rows, far),
-    )  # fmt: skip
+    )

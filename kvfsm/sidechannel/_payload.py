@@ -236,9 +236,18 @@ def compat_hash(
     # A fixed-order msgpack array of plain values encodes identically everywhere; the leading
     # label keeps these hashes apart from any other sha256 of similar-looking data.
     fields = [
-        "kvfsm-compat/2", wire_version, mode, model, dtype, g.num_layers, g.num_kv_heads,
-        g.head_dim, g.dtype_bytes, g.mla, g.kv_layout,
-    ]  # fmt: skip
+        "kvfsm-compat/2",
+        wire_version,
+        mode,
+        model,
+        dtype,
+        g.num_layers,
+        g.num_kv_heads,
+        g.head_dim,
+        g.dtype_bytes,
+        g.mla,
+        g.kv_layout,
+    ]
     return hashlib.sha256(_encoder.encode(fields)).hexdigest()
 
 

@@ -109,10 +109,16 @@ class ZmqDirectory:
         # Runs on a pool thread; anything it raises becomes a failed handshake in `_finish`.
         host, port = self._resolve(peer, contact)
         payload, offset, error = fetch_peer(
-            host, port, peer, compat_hash=self.compat_hash, wire_version=self.wire_version,
-            timeout_s=self.timeout_s, clock=self._clock, secret=self._secret,
+            host,
+            port,
+            peer,
+            compat_hash=self.compat_hash,
+            wire_version=self.wire_version,
+            timeout_s=self.timeout_s,
+            clock=self._clock,
+            secret=self._secret,
             requester=self.requester,
-        )  # fmt: skip
+        )
         self._check(payload)
         layout = payload.layout()
         return PeerInfo(

@@ -192,9 +192,15 @@ class Cluster:
         clock = (lambda: self.now + skew) if skew else (lambda: self.now)
         self._starts[agent] += 1
         engine = Engine(
-            core, fabric, kv, self._new_directory(agent, clock), clock, secret=self.secret,
-            guests=self.directory.guests, incarnation=self._starts[agent],
-        )  # fmt: skip
+            core,
+            fabric,
+            kv,
+            self._new_directory(agent, clock),
+            clock,
+            secret=self.secret,
+            guests=self.directory.guests,
+            incarnation=self._starts[agent],
+        )
         self.engines[agent] = engine
         self._publish(engine, clock)
         self.dead.discard(agent)
@@ -237,8 +243,14 @@ class Cluster:
         """Whether both allocators have `n_blocks` free."""
         return min(len(self._free["P"]), len(self._free["D"])) >= n_blocks
 
-    def admit(self, key: str, n_blocks: int, d_cached: int = 0, d_first: bool = False,
-              same_id: bool = False) -> PairedRequest:  # fmt: skip
+    def admit(
+        self,
+        key: str,
+        n_blocks: int,
+        d_cached: int = 0,
+        d_first: bool = False,
+        same_id: bool = False,
+    ) -> PairedRequest:
         """Admit a request of `n_blocks` P blocks on every rank of both sides; D already holds
         the first `d_cached` of its blocks (a prefix-cache hit)."""
         suffix = f"{self.rng.getrandbits(32):08x}"
@@ -246,9 +258,12 @@ class Cluster:
         d_id = p_id if same_id else f"{key}-{self.rng.getrandbits(32):08x}"
         d_total = -(-n_blocks // self.block_ratio)
         pr = PairedRequest(
-            key, p_id, d_id, self._alloc("P", n_blocks),
+            key,
+            p_id,
+            d_id,
+            self._alloc("P", n_blocks),
             self._alloc("D", d_total - min(d_cached, d_total)),
-        )  # fmt: skip
+        )
         self.requests[key] = pr
         self.ledger.admitted(pr)
         order = (self._admit_d, self._admit_p) if d_first else (self._admit_p, self._admit_d)

@@ -180,8 +180,10 @@ class Ledger:
                 if seen not in self._late_posts:
                     self._late_posts.add(seen)
                     rule = "no late write" if flight.op == "WRITE" else "no early free"
-                    self._violate(f"{rule}: {engine.agent} posted a {flight.op} for {pr.key} "
-                                  f"after {flight.peer} released its blocks")  # fmt: skip
+                    self._violate(
+                        f"{rule}: {engine.agent} posted a {flight.op} for {pr.key} "
+                        f"after {flight.peer} released its blocks"
+                    )
 
     def bytes_landed(
         self, into: str, written: list[tuple[int, int]], out: str, read: list[tuple[int, int]]
@@ -247,9 +249,13 @@ class Ledger:
         tokens = len(pr.p_blocks) * p_bs
         first = (-(-tokens // d_bs) - len(pr.d_blocks)) * d_bs  # D's prefix-cache hit
         check = check_request(
-            cluster.engines[agent].kv, request_seed(pr.p_id), pr.d_blocks,
-            unit_tokens=cluster.unit_tokens, first_token=first, tokens=tokens - first,
-        )  # fmt: skip
+            cluster.engines[agent].kv,
+            request_seed(pr.p_id),
+            pr.d_blocks,
+            unit_tokens=cluster.unit_tokens,
+            first_token=first,
+            tokens=tokens - first,
+        )
         if check.wrong or not check.compared:
             self._violate(f"no silent corruption: {agent} received wrong bytes for {pr.key}")
         else:

@@ -249,9 +249,11 @@ class LockstepCluster(Cluster):
                 wire_version=WIRE_VERSION, mode=self.mode, model="lockstep", dtype="u8", geometry=g
             )
             self._listener = HandshakeListener(
-                self._answer, clock=lambda: self.now, guests=self.directory.guests,
+                self._answer,
+                clock=lambda: self.now,
+                guests=self.directory.guests,
                 secret=self.secret,
-            )  # fmt: skip
+            )
         return self._listener
 
     def _answer(self, agent: str) -> HandshakePayload | None:
@@ -262,9 +264,14 @@ class LockstepCluster(Cluster):
     def _new_directory(self, agent: str, clock: Callable[[], float]) -> Directory:
         port = self._side_channel().port
         zmq = ZmqDirectory(
-            lambda _peer: ("127.0.0.1", port), compat_hash=self._hash, wire_version=WIRE_VERSION,
-            timeout_s=_HANDSHAKE_S, clock=clock, requester=agent, secret=self.secret,
-        )  # fmt: skip
+            lambda _peer: ("127.0.0.1", port),
+            compat_hash=self._hash,
+            wire_version=WIRE_VERSION,
+            timeout_s=_HANDSHAKE_S,
+            clock=clock,
+            requester=agent,
+            secret=self.secret,
+        )
         old = self._handshakes.pop(agent, None)
         if old is not None:
             old.zmq.close()

@@ -77,8 +77,11 @@ def check_request(
 
 # Axis order in memory of (units, K/V, heads, unit tokens, row bytes), per page layout.
 _ORDER = {
-    "HND": (0, 1, 2, 3, 4), "NHD": (0, 1, 3, 2, 4), "HNC": (0, 2, 3, 1, 4), "NHC": (0, 3, 2, 1, 4),
-}  # fmt: skip
+    "HND": (0, 1, 2, 3, 4),
+    "NHD": (0, 1, 3, 2, 4),
+    "HNC": (0, 2, 3, 1, 4),
+    "NHC": (0, 3, 2, 1, 4),
+}
 
 
 def _planes(
@@ -117,9 +120,14 @@ def _planes(
 
 
 def _unit_view(
-    memory: _U8, blocks: int, kv_heads: tuple[int, int], k: int, unit_tokens: int, row: int,
+    memory: _U8,
+    blocks: int,
+    kv_heads: tuple[int, int],
+    k: int,
+    unit_tokens: int,
+    row: int,
     order: tuple[int, ...],
-) -> _U8:  # fmt: skip
+) -> _U8:
     """A region's memory as (blocks, k sub-blocks, then the page's axes in memory order with
     `unit_tokens` tokens): a view, so that writing through it writes the cache."""
     page = (0, *kv_heads, k * unit_tokens, row)  # canonical axes 1..4 of one block

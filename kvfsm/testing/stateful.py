@@ -49,10 +49,16 @@ class LifecycleMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.cluster = Cluster(
-            self.mode, p_tp=self.p_tp, d_tp=self.d_tp, faults=self.faults, num_blocks=24,
-            geometry=self.geometry, d_block_size=self.d_block_size, clock_skew=self.clock_skew,
+            self.mode,
+            p_tp=self.p_tp,
+            d_tp=self.d_tp,
+            faults=self.faults,
+            num_blocks=24,
+            geometry=self.geometry,
+            d_block_size=self.d_block_size,
+            clock_skew=self.clock_skew,
             secret=self.secret,
-        )  # fmt: skip
+        )
         self.count = 0
         self.agents = self.cluster.agents("P") + self.cluster.agents("D")
 
@@ -204,7 +210,13 @@ def machine_for(
     name += "_skewed" if clock_skew else ""
     name += "_sealed" if secret else ""
     attrs = {
-        "mode": mode, "p_tp": p_tp, "d_tp": d_tp, "faults": faults, "geometry": geometry,
-        "d_block_size": d_block_size, "clock_skew": clock_skew, "secret": secret,
-    }  # fmt: skip
+        "mode": mode,
+        "p_tp": p_tp,
+        "d_tp": d_tp,
+        "faults": faults,
+        "geometry": geometry,
+        "d_block_size": d_block_size,
+        "clock_skew": clock_skew,
+        "secret": secret,
+    }
     return type(name, (LifecycleMachine,), attrs)

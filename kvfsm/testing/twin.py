@@ -49,9 +49,14 @@ class TwinMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         options: dict[str, Any] = {
-            "p_tp": self.p_tp, "d_tp": self.d_tp, "num_blocks": 16, "config": _config(),
-            "geometry": SMALL_GEOMETRY, "d_block_size": self.d_block_size, "secret": self.secret,
-        }  # fmt: skip
+            "p_tp": self.p_tp,
+            "d_tp": self.d_tp,
+            "num_blocks": 16,
+            "config": _config(),
+            "geometry": SMALL_GEOMETRY,
+            "d_block_size": self.d_block_size,
+            "secret": self.secret,
+        }
         self.sim = Cluster(
             self.mode, faults=SimFaults(notif_latency=1e-9), handshake_latency=0.0, **options
         )
@@ -189,8 +194,11 @@ class TwinMachine(RuleBasedStateMachine):
                 for f in _finals(self.real).values()
                 for agent, state in f.items()
             )
-            _alike("what the caller was told", _per_request(self.told["sim"]),
-                   _per_request(self.told["real"]))  # fmt: skip
+            _alike(
+                "what the caller was told",
+                _per_request(self.told["sim"]),
+                _per_request(self.told["real"]),
+            )
             _alike("D's bytes", _received(self.sim), _received(self.real))
         finally:
             self.real.close()
@@ -252,6 +260,10 @@ def twin_for(
     name = f"TwinMachine_{mode}_{p_tp}x{d_tp}" + (f"_d{d_block_size}" if d_block_size else "")
     name += "_sealed" if secret else ""
     attrs = {
-        "mode": mode, "p_tp": p_tp, "d_tp": d_tp, "d_block_size": d_block_size, "secret": secret,
-    }  # fmt: skip
+        "mode": mode,
+        "p_tp": p_tp,
+        "d_tp": d_tp,
+        "d_block_size": d_block_size,
+        "secret": secret,
+    }
     return type(name, (TwinMachine,), attrs)

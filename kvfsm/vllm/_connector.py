@@ -91,20 +91,29 @@ class KvfsmConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(
-                self.settings, is_producer=self._is_producer, engine_id=transfer.engine_id,
-                tp_size=self._tp_size, port=port, groups=self.groups,
-            )  # fmt: skip
+                self.settings,
+                is_producer=self._is_producer,
+                engine_id=transfer.engine_id,
+                tp_size=self._tp_size,
+                port=port,
+                groups=self.groups,
+            )
         else:
             identity = Identity(
-                transfer.engine_id, _tp_rank(self._tp_size), self._tp_size,
+                transfer.engine_id,
+                _tp_rank(self._tp_size),
+                self._tp_size,
                 contact_of(self.settings.side_channel_host, port),
-            )  # fmt: skip
+            )
             model = vllm_config.model_config
             self._worker = WorkerSide(
-                self.settings, is_producer=self._is_producer, identity=identity,
-                model=f"{_model_identity(model)}:{self.groups.describe()}", dtype=str(model.dtype),
+                self.settings,
+                is_producer=self._is_producer,
+                identity=identity,
+                model=f"{_model_identity(model)}:{self.groups.describe()}",
+                dtype=str(model.dtype),
                 fail_by_request=self.groups.count > 1,
-            )  # fmt: skip
+            )
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
@@ -121,9 +130,12 @@ class KvfsmConnector(KVConnectorBase_V1, SupportsHMA):
         config = self._vllm_config
         if self.groups.has_mamba:
             geometry, buffers = page_geometry_of(
-                kv_caches, page_bytes=self.groups.page_bytes, block_size=self.groups.block_size,
-                tp_size=self._tp_size, tp_rank=worker.identity.rank,
-            )  # fmt: skip
+                kv_caches,
+                page_bytes=self.groups.page_bytes,
+                block_size=self.groups.block_size,
+                tp_size=self._tp_size,
+                tp_rank=worker.identity.rank,
+            )
             worker.start(geometry, buffers)
             return
         block_size = config.cache_config.block_size

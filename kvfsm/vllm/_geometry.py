@@ -47,9 +47,13 @@ import numpy as np
 from kvfsm.layout import KvGeometry, logical_to_kernel
 
 __all__ = [
-    "REQUIRED_LAYOUT", "LayoutError", "geometry_of", "kernel_blocks", "layout_of",
+    "REQUIRED_LAYOUT",
+    "LayoutError",
+    "geometry_of",
+    "kernel_blocks",
+    "layout_of",
     "page_geometry_of",
-]  # fmt: skip
+]
 
 REQUIRED_LAYOUT = "LBHNC"
 """The KV cache layout the connector asks vLLM for: a head slice is one run per block, so it
@@ -157,9 +161,11 @@ def _read(
 # vLLM's layouts kvfsm moves: the page layout inside a block, and whether blocks come first
 # (every layer's page of a block together).
 _PAGE_LAYOUTS = {
-    "LBHNC": ("HNC", False), "LBNHC": ("NHC", False),
-    "BLHNC": ("HNC", True), "BLNHC": ("NHC", True),
-}  # fmt: skip
+    "LBHNC": ("HNC", False),
+    "LBNHC": ("NHC", False),
+    "BLHNC": ("HNC", True),
+    "BLNHC": ("NHC", True),
+}
 
 
 def _page_layout(view: Any) -> tuple[str, bool]:
@@ -252,10 +258,16 @@ def page_geometry_of(
     buffers = [_pages(t, num_blocks, page_bytes) for t in firsts.values()]
     _check_buffers([f"region {i}" for i in range(len(buffers))], buffers)
     geometry = KvGeometry(
-        num_layers=len(buffers), num_kv_heads=tp_size, head_dim=page_bytes // (2 * block_size),
-        dtype_bytes=1, block_size=block_size, num_blocks=num_blocks, tp_size=tp_size,
-        tp_rank=tp_rank, kv_layout="NHD",
-    )  # fmt: skip
+        num_layers=len(buffers),
+        num_kv_heads=tp_size,
+        head_dim=page_bytes // (2 * block_size),
+        dtype_bytes=1,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        kv_layout="NHD",
+    )
     return geometry, buffers
 
 

@@ -103,10 +103,13 @@ class KvGroups(msgspec.Struct, frozen=True):
                 keep = -(-spec.sliding_window // spec.block_size) + 1
                 cuts.append(
                     GroupCut(
-                        "sliding_window", keep, detail=str(spec.sliding_window),
-                        window=spec.sliding_window, block_size=spec.block_size,
+                        "sliding_window",
+                        keep,
+                        detail=str(spec.sliding_window),
+                        window=spec.sliding_window,
+                        block_size=spec.block_size,
                     )
-                )  # fmt: skip
+                )
             elif kind is MambaSpec:
                 scratch = int(spec.num_speculative_blocks)
                 cuts.append(GroupCut("mamba", scratch=scratch, detail=_mamba_detail(spec)))

@@ -46,9 +46,15 @@ class SchedulerSide:
     """The scheduler half for one engine: P (`kv_producer`) or D (`kv_consumer`)."""
 
     def __init__(
-        self, settings: KvfsmSettings, *, is_producer: bool, engine_id: str, tp_size: int,
-        port: int, groups: KvGroups | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        settings: KvfsmSettings,
+        *,
+        is_producer: bool,
+        engine_id: str,
+        tp_size: int,
+        port: int,
+        groups: KvGroups | None = None,
+    ) -> None:
         self.settings = settings
         self.groups = groups or KvGroups.single()
         self.is_producer = is_producer
@@ -189,8 +195,10 @@ class SchedulerSide:
         self.counters["group_mismatch"] += 1
         _log.warning(
             "kvfsm: request %s fails its load: P moves %s blocks per KV cache group, D holds %s",
-            rid, p.kvfsm_group_blocks, mine,
-        )  # fmt: skip
+            rid,
+            p.kvfsm_group_blocks,
+            mine,
+        )
         return False
 
     # --- finished ------------------------------------------------------------------------------
@@ -222,8 +230,13 @@ class SchedulerSide:
         self._events.append((PrefillFinished(rid, moved), True))
         s = self.settings
         return True, producer_params(
-            request_id=rid, block_ids=[int(b) for b in moved], engine_id=self.engine_id,
-            host=s.side_channel_host, port=self.port, tp_size=self.tp_size,
-            num_tokens=request.num_computed_tokens, mode=s.mode,
+            request_id=rid,
+            block_ids=[int(b) for b in moved],
+            engine_id=self.engine_id,
+            host=s.side_channel_host,
+            port=self.port,
+            tp_size=self.tp_size,
+            num_tokens=request.num_computed_tokens,
+            mode=s.mode,
             group_blocks=[len(g) for g in groups] if self.groups.hybrid else None,
-        )  # fmt: skip
+        )

@@ -11,9 +11,13 @@ from kvfsm.runtime import RequestTrace
 __all__ = ["StatsWindow", "merge", "reduce"]
 
 _COUNTS = (
-    "transfers", "failed_transfers", "bytes", "descriptors", "internal_errors",
+    "transfers",
+    "failed_transfers",
+    "bytes",
+    "descriptors",
+    "internal_errors",
     "refused_notifications",
-)  # fmt: skip
+)
 
 
 class StatsWindow:
@@ -35,9 +39,11 @@ class StatsWindow:
         self.ended[trace.state] += 1
         st = trace.stats
         self.counts.update(
-            transfers=st.transfers, failed_transfers=st.failed, bytes=st.bytes,
+            transfers=st.transfers,
+            failed_transfers=st.failed,
+            bytes=st.bytes,
             descriptors=st.descriptors,
-        )  # fmt: skip
+        )
         self.seconds.update(trace.time_in_state_s)
         self.visits.update(trace.time_in_state_s.keys())
 

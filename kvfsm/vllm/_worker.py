@@ -56,9 +56,15 @@ class WorkerSide:
     """The worker half of one rank: created at `register_kv_caches`, closed at `shutdown`."""
 
     def __init__(
-        self, settings: KvfsmSettings, *, is_producer: bool, identity: Identity, model: str,
-        dtype: str, fail_by_request: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        settings: KvfsmSettings,
+        *,
+        is_producer: bool,
+        identity: Identity,
+        model: str,
+        dtype: str,
+        fail_by_request: bool = False,
+    ) -> None:
         self.settings = settings
         self.is_producer = is_producer
         self.identity = identity
@@ -96,32 +102,48 @@ class WorkerSide:
         try:
             kv = KvCache(geometry, buffers)
             chash = compat_hash(
-                wire_version=WIRE_VERSION, mode=s.mode, model=self._model, dtype=self._dtype,
+                wire_version=WIRE_VERSION,
+                mode=s.mode,
+                model=self._model,
+                dtype=self._dtype,
                 geometry=geometry.for_rank(0),
-            )  # fmt: skip
+            )
             check = functools.partial(
                 validate, expect_mode=s.mode, local=geometry, local_is_p=self.is_producer
             )
             secret = s.secret()
             self._directory = ZmqDirectory(
-                {}, compat_hash=chash, wire_version=WIRE_VERSION,
-                timeout_s=s.handshake_timeout_s, check=check, secret=secret,
+                {},
+                compat_hash=chash,
+                wire_version=WIRE_VERSION,
+                timeout_s=s.handshake_timeout_s,
+                check=check,
+                secret=secret,
                 requester=me.agent,
-            )  # fmt: skip
+            )
             # No `guests`: the listener runs in the scheduler's process (docs/security.md).
             self.engine = Engine(
-                core, fabric, kv, self._directory, time.monotonic, secret=secret,
+                core,
+                fabric,
+                kv,
+                self._directory,
+                time.monotonic,
+                secret=secret,
                 conformance=s.conformance,
-            )  # fmt: skip
+            )
             self.payload = payload_of(self.engine, compat_hash=chash, wire_version=WIRE_VERSION)
         except BaseException:
             self._close_parts()
             raise
         self.loop = EngineLoop(
-            self.engine, self._on_output, poll_min_s=s.poll_min_us * 1e-6,
-            poll_max_s=s.poll_max_us * 1e-6, hot_s=None if s.poll_hot_us is None else s.poll_hot_us * 1e-6, name=f"kvfsm-{me.agent}",
+            self.engine,
+            self._on_output,
+            poll_min_s=s.poll_min_us * 1e-6,
+            poll_max_s=s.poll_max_us * 1e-6,
+            hot_s=None if s.poll_hot_us is None else s.poll_hot_us * 1e-6,
+            name=f"kvfsm-{me.agent}",
             logger=_log,
-        )  # fmt: skip
+        )
         self._directory.on_result = self.loop.wake
         if self.is_producer and s.device_fence and mem_type == "VRAM":
             self._fence = DeviceFence(self._submit, f"kvfsm-{me.agent}")

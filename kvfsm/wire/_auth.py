@@ -16,9 +16,16 @@ from collections import OrderedDict
 from typing import NamedTuple
 
 __all__ = [
-    "GAP_TTL_S", "MAX_GAPS", "MIN_SECRET_BYTES", "TAG_BYTES", "AuthError", "Opened",
-    "ReplayGuard", "SharedSecret", "is_sealed",
-]  # fmt: skip
+    "GAP_TTL_S",
+    "MAX_GAPS",
+    "MIN_SECRET_BYTES",
+    "TAG_BYTES",
+    "AuthError",
+    "Opened",
+    "ReplayGuard",
+    "SharedSecret",
+    "is_sealed",
+]
 
 MIN_SECRET_BYTES = 16
 """Shortest secret accepted: 128 bits, so that guessing it is not an attack."""

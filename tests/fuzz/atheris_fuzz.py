@@ -109,10 +109,16 @@ def _seeds(target: str) -> list[bytes]:
         num_layers=2, num_kv_heads=4, head_dim=4, dtype_bytes=2, block_size=4, num_blocks=8
     )
     payload = HandshakePayload(
-        engine_id="prefill", agent="prefill#0", agent_metadata=b"meta", geometry=g,
-        base_addresses=(4096, 1 << 20), block_lens=(g.block_len,) * 2, mode="push",
-        wire_version=1, compat_hash="ab" * 32,
-    )  # fmt: skip
+        engine_id="prefill",
+        agent="prefill#0",
+        agent_metadata=b"meta",
+        geometry=g,
+        base_addresses=(4096, 1 << 20),
+        block_lens=(g.block_len,) * 2,
+        mode="push",
+        wire_version=1,
+        compat_hash="ab" * 32,
+    )
     return [
         encode_frame(HandshakeAccepted(payload, 1.0, 2.0)),
         encode_frame(HandshakeRefused("no")),

@@ -23,9 +23,14 @@ from kvfsm.sidechannel import (
 HOST = "127.0.0.1"
 WIRE = 1
 GEOMETRY = KvGeometry(
-    num_layers=4, num_kv_heads=8, head_dim=64, dtype_bytes=2, block_size=16, num_blocks=256,
+    num_layers=4,
+    num_kv_heads=8,
+    head_dim=64,
+    dtype_bytes=2,
+    block_size=16,
+    num_blocks=256,
     tp_size=2,
-)  # fmt: skip
+)
 HASH = compat_hash(wire_version=WIRE, mode="push", model="m", dtype="bf16", geometry=GEOMETRY)
 BOOM = "boom#0"
 """The agent whose payload lookup raises: the listener must answer `errors` and carry on."""

@@ -52,9 +52,7 @@ texts = st.one_of(
 )
 """Strings, including agent-like names and control characters."""
 
-msgpack_leaves = st.one_of(
-    st.none(), st.booleans(), ints, floats, texts, st.binary(max_size=24)
-)  # fmt: skip
+msgpack_leaves = st.one_of(st.none(), st.booleans(), ints, floats, texts, st.binary(max_size=24))
 msgpack_values = st.recursive(
     msgpack_leaves,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(texts, inner, max_size=4),
@@ -187,9 +185,13 @@ def wire_messages(ids: st.SearchStrategy[str] = texts) -> st.SearchStrategy[Mess
     tp_sizes = st.one_of(st.integers(1, 4), st.integers(1, 4), ints)
     common = {"request_id": ids, "sender_request_id": ids, "rank": ranks, "tp_size": tp_sizes}
     registrations = st.builds(
-        Registration, **common, engine_id=texts, block_ids=block_payloads, deadline=floats,
+        Registration,
+        **common,
+        engine_id=texts,
+        block_ids=block_payloads,
+        deadline=floats,
         contact=texts,
-    )  # fmt: skip
+    )
     return st.one_of(
         registrations,
         st.builds(Grant, **common, block_ids=block_payloads, deadline=floats),
@@ -205,10 +207,15 @@ def wire_messages(ids: st.SearchStrategy[str] = texts) -> st.SearchStrategy[Mess
 # --- TOML ------------------------------------------------------------------------------------------
 
 toml_leaves = st.one_of(
-    st.booleans(), st.integers(-(2**63), 2**63 - 1), st.sampled_from(EDGE_INTS[:-1]), floats,
+    st.booleans(),
+    st.integers(-(2**63), 2**63 - 1),
+    st.sampled_from(EDGE_INTS[:-1]),
+    floats,
     st.text(st.characters(exclude_categories=["Cs"]), max_size=16),
-    st.datetimes(timezones=st.none() | st.just(dt.UTC)), st.dates(), st.times(),
-)  # fmt: skip
+    st.datetimes(timezones=st.none() | st.just(dt.UTC)),
+    st.dates(),
+    st.times(),
+)
 """Every TOML scalar type (TOML has no null; its integers are 64-bit)."""
 
 

@@ -23,12 +23,19 @@ def test_atheris_target(target: str, tmp_path: Path) -> None:
     runs = RUNS[target]
     done = subprocess.run(
         [
-            sys.executable, str(HARNESS), target, f"-runs={runs}", "-seed=1",
-            f"-artifact_prefix={tmp_path}/", str(tmp_path / "corpus"),
+            sys.executable,
+            str(HARNESS),
+            target,
+            f"-runs={runs}",
+            "-seed=1",
+            f"-artifact_prefix={tmp_path}/",
+            str(tmp_path / "corpus"),
         ],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, "KVFSM_FUZZ_SCRATCH": str(tmp_path)},
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     assert f"Done {runs} runs" in done.stderr
     assert not list(tmp_path.glob("crash-*"))

@@ -262,10 +262,15 @@ def _flood(cluster: Cluster, n: int) -> Counter[str]:
         elif kind == 2:
             payload = encode(
                 Registration(
-                    request_id="", sender_request_id=f"f{i}", rank=0, tp_size=1, engine_id="D",
-                    block_ids=b"\x01\x00\x00\x00", deadline=1e9,
+                    request_id="",
+                    sender_request_id=f"f{i}",
+                    rank=0,
+                    tp_size=1,
+                    engine_id="D",
+                    block_ids=b"\x01\x00\x00\x00",
+                    deadline=1e9,
                 )
-            )  # fmt: skip
+            )
         else:
             payload = encode(Heartbeat(request_ids=[f"f{i}", f"g{i}"], rank=0))
         cluster.engines[target].submit(NotificationReceived(sender, payload))
@@ -338,10 +343,15 @@ def _suffixless_registration() -> bytes:
     # D names no P id (push, P's id unknown to D) and its own id has no -<8 hex> suffix.
     return encode(
         Registration(
-            request_id="", sender_request_id="req", rank=0, tp_size=1, engine_id="D",
-            block_ids=b"\x00\x00\x00\x00", deadline=1e9,
+            request_id="",
+            sender_request_id="req",
+            rank=0,
+            tp_size=1,
+            engine_id="D",
+            block_ids=b"\x00\x00\x00\x00",
+            deadline=1e9,
         )
-    )  # fmt: skip
+    )
 
 
 def test_pending_registration_without_suffix_expires() -> None:

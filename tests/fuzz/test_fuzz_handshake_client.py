@@ -205,9 +205,14 @@ def test_with_a_secret_nothing_untagged_is_taken_for_the_listeners_word(
     hostile.frames = reply
     with pytest.raises(HandshakeError) as caught:
         fetch_peer(
-            HOST, hostile.port, AGENT, compat_hash=HASH, wire_version=WIRE, timeout_s=SAFETY_S,
+            HOST,
+            hostile.port,
+            AGENT,
+            compat_hash=HASH,
+            wire_version=WIRE,
+            timeout_s=SAFETY_S,
             secret=SharedSecret(b"the-fuzzing-deployment-secret!!"),
-        )  # fmt: skip
+        )
     says = str(caught.value)
     assert "no answer" not in says
     # A refusal is read as the listener's word only if tagged: never here.

@@ -35,10 +35,33 @@ PLACE = re.compile(
 """What names the place of a problem, after the file's name."""
 
 TOKENS = [
-    b"[", b"]", b"{", b"}", b"=", b",", b'"', b"'", b"\n", b"#", b".", b"nan", b"-inf",
-    b"1e999", b"99999999999999999999", b"1979-05-27T07:32:00Z", b"[[engines]]", b"[config]",
-    b'"""', b"\\u0000", b"\xff", b"\xef\xbb\xbf", b"true", b"D#9", b"P", b"pull",
-]  # fmt: skip
+    b"[",
+    b"]",
+    b"{",
+    b"}",
+    b"=",
+    b",",
+    b'"',
+    b"'",
+    b"\n",
+    b"#",
+    b".",
+    b"nan",
+    b"-inf",
+    b"1e999",
+    b"99999999999999999999",
+    b"1979-05-27T07:32:00Z",
+    b"[[engines]]",
+    b"[config]",
+    b'"""',
+    b"\\u0000",
+    b"\xff",
+    b"\xef\xbb\xbf",
+    b"true",
+    b"D#9",
+    b"P",
+    b"pull",
+]
 
 
 @pytest.fixture(scope="module")

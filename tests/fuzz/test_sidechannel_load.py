@@ -43,8 +43,10 @@ def test_listener_under_a_flood_from_another_process() -> None:
     with HandshakeListener(lookup) as listener:
         flood = subprocess.Popen(
             [sys.executable, str(FLOOD), str(listener.port), json.dumps(SPEC)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert flood.stdout is not None and flood.stderr is not None
             # The flood's valid handshakes are out; ours run while its hostile part goes on.

@@ -98,22 +98,42 @@ def _cells(layout: RegionLayout, k: int, units: npt.NDArray[np.int64], small_bs:
 
 
 def _run(
-    p_tp: int, d_tp: int, p_bs: int, d_bs: int, p_split: bool, d_split: bool, mla: bool, pull: bool,
-    kv_layout: str = "HND", interleaved: tuple[bool, bool] = (False, False),
-) -> int:  # fmt: skip
+    p_tp: int,
+    d_tp: int,
+    p_bs: int,
+    d_bs: int,
+    p_split: bool,
+    d_split: bool,
+    mla: bool,
+    pull: bool,
+    kv_layout: str = "HND",
+    interleaved: tuple[bool, bool] = (False, False),
+) -> int:
     heads = 1 if mla else 12
     common: dict[str, Any] = dict(
-        num_layers=_LAYERS, num_kv_heads=heads, head_dim=_HEAD_DIM, dtype_bytes=4, mla=mla,
+        num_layers=_LAYERS,
+        num_kv_heads=heads,
+        head_dim=_HEAD_DIM,
+        dtype_bytes=4,
+        mla=mla,
         kv_layout=kv_layout,
-    )  # fmt: skip
+    )
     p_geo = KvGeometry(
-        **common, block_size=p_bs, num_blocks=8, tp_size=p_tp, split_kv=p_split,
+        **common,
+        block_size=p_bs,
+        num_blocks=8,
+        tp_size=p_tp,
+        split_kv=p_split,
         interleaved=interleaved[0],
-    )  # fmt: skip
+    )
     d_geo = KvGeometry(
-        **common, block_size=d_bs, num_blocks=9, tp_size=d_tp, split_kv=d_split,
+        **common,
+        block_size=d_bs,
+        num_blocks=9,
+        tp_size=d_tp,
+        split_kv=d_split,
         interleaved=interleaved[1],
-    )  # fmt: skip
+    )
     mem = _Memory()
     p_layouts = [mem.place(p_geo.for_rank(r)) for r in range(p_tp)]
     d_layouts = [mem.place(d_geo.for_rank(r)) for r in range(d_tp)]
@@ -206,9 +226,14 @@ _INTERLEAVED = [(True, True), (True, False), (False, True)]
 @pytest.mark.parametrize(("p_bs", "d_bs"), _BLOCKS, ids=lambda v: str(v))
 @pytest.mark.parametrize(("p_tp", "d_tp"), _TP[:5], ids=lambda v: str(v))
 def test_interleaved_layers_land_in_place(
-    p_tp: int, d_tp: int, p_bs: int, d_bs: int, kv_layout: str,
-    interleaved: tuple[bool, bool], pull: bool,
-) -> None:  # fmt: skip
+    p_tp: int,
+    d_tp: int,
+    p_bs: int,
+    d_bs: int,
+    kv_layout: str,
+    interleaved: tuple[bool, bool],
+    pull: bool,
+) -> None:
     # vLLM's BLHNC and BLNHC: a block of every layer's pages together, beside LBHNC/LBNHC peers.
     _run(p_tp, d_tp, p_bs, d_bs, False, False, False, pull, kv_layout, interleaved)
 
@@ -217,9 +242,15 @@ def test_interleaved_whole_blocks_move_one_row_per_block() -> None:
     # Equal TP and block size, both sides interleaved: one row per block over all layers,
     # num_layers times fewer than per layer (before merging adjacent ones).
     d = KvGeometry(
-        num_layers=4, num_kv_heads=2, head_dim=2, dtype_bytes=2, block_size=4, num_blocks=8,
-        kv_layout="HNC", interleaved=True,
-    )  # fmt: skip
+        num_layers=4,
+        num_kv_heads=2,
+        head_dim=2,
+        dtype_bytes=2,
+        block_size=4,
+        num_blocks=8,
+        kv_layout="HNC",
+        interleaved=True,
+    )
     (pairing,) = plan_pairings(d, d).pairings
     assert pairing.local.fuse_layers and pairing.remote.fuse_layers
     lids, rids = pairing.transfer_ids([5, 2, 7], [1, 2, 3])

@@ -21,9 +21,13 @@ def test_joint_rows_by_hand() -> None:
     # Joint: K (2 heads, 32 bytes) then V (32 bytes) per block: block_len 64.
     layout = RegionLayout(KvGeometry(**_TINY), (1000, 2000))
     expected = [
-        [1000, 64, 0], [1064, 64, 0], [1128, 64, 0],  # layer 0, blocks 0..2
-        [2000, 64, 0], [2064, 64, 0], [2128, 64, 0],  # layer 1
-    ]  # fmt: skip
+        [1000, 64, 0],
+        [1064, 64, 0],
+        [1128, 64, 0],  # layer 0, blocks 0..2
+        [2000, 64, 0],
+        [2064, 64, 0],
+        [2128, 64, 0],  # layer 1
+    ]
     np.testing.assert_array_equal(layout.descriptors(), expected)
     assert layout.descriptors().dtype == np.int64
 
@@ -167,8 +171,15 @@ def test_layout_round_trips_through_msgpack() -> None:
 
 def test_sixty_four_thousand_ids_by_broadcasting() -> None:
     # 32 layers x K/V = 64 regions, 1000 blocks each: 64,000 ids in one outer sum.
-    g = KvGeometry(num_layers=32, num_kv_heads=8, head_dim=128, dtype_bytes=2, block_size=16,
-                   num_blocks=4000, split_kv=True)  # fmt: skip
+    g = KvGeometry(
+        num_layers=32,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype_bytes=2,
+        block_size=16,
+        num_blocks=4000,
+        split_kv=True,
+    )
     bases = tuple(i * g.region_bytes for i in range(g.num_regions))
     layout = RegionLayout(g, bases)
     blocks = np.random.default_rng(0).permutation(g.num_blocks)[:1000]

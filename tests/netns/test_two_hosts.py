@@ -45,9 +45,14 @@ from kvfsm.sidechannel import compat_hash
 from kvfsm.wire import WIRE_VERSION
 
 _CONFIG = CoreConfig(
-    lease_s=3.0, watchdog_s=2.0, stall_s=1.0, producer_stall_s=2.0, fence_s=2.0,
-    heartbeat_s=0.5, pending_registration_ttl_s=3.0,
-)  # fmt: skip
+    lease_s=3.0,
+    watchdog_s=2.0,
+    stall_s=1.0,
+    producer_stall_s=2.0,
+    fence_s=2.0,
+    heartbeat_s=0.5,
+    pending_registration_ttl_s=3.0,
+)
 _DRAIN_S = tcp_late_delivery_s(ucx_env(Host("", "veth", "")))
 """How long D holds the blocks of a request it gave up on: the TCP user timeout plus slack."""
 _SLACK_S = 2.0
@@ -103,8 +108,13 @@ class _Ranks:
 
     def __init__(self, net: NetnsPair, mode: Mode) -> None:
         self.net, self.mode = net, mode
-        self.hash = compat_hash(wire_version=WIRE_VERSION, mode=mode, model="tiny",
-                                dtype=DTYPES["tiny"], geometry=_GEOMETRY)  # fmt: skip
+        self.hash = compat_hash(
+            wire_version=WIRE_VERSION,
+            mode=mode,
+            model="tiny",
+            dtype=DTYPES["tiny"],
+            geometry=_GEOMETRY,
+        )
         self.processes = RankProcesses()
         self.pipes = self.processes.pipes
         self.ports: dict[str, int] = {}
@@ -120,9 +130,18 @@ class _Ranks:
     def start(self, side: str, port: int = 0) -> None:
         """Start `side`'s rank in its namespace (its listener on `port`: 0 picks one)."""
         host = self.net.a if side == "P" else self.net.b
-        spec = RankSpec(side, self.mode, _GEOMETRY.for_rank(0), 1, 16, self.hash,
-                        config=_CONFIG, host=host.address, port=port,
-                        handshake_timeout_s=_HANG_S)  # fmt: skip
+        spec = RankSpec(
+            side,
+            self.mode,
+            _GEOMETRY.for_rank(0),
+            1,
+            16,
+            self.hash,
+            config=_CONFIG,
+            host=host.address,
+            port=port,
+            handshake_timeout_s=_HANG_S,
+        )
         agent = self.processes.start(
             spec, functools.partial(netns_main, host.netns, ucx_env(host), rank_main)
         )
@@ -134,8 +153,10 @@ class _Ranks:
         assert self.pump(started, _HANG_S) and not self.errors, (
             f"ranks did not start: {self.errors}"
         )
-        peers = {_AGENTS["P"]: (self.net.a.address, self.ports[_AGENTS["P"]]),
-                 _AGENTS["D"]: (self.net.b.address, self.ports[_AGENTS["D"]])}  # fmt: skip
+        peers = {
+            _AGENTS["P"]: (self.net.a.address, self.ports[_AGENTS["P"]]),
+            _AGENTS["D"]: (self.net.b.address, self.ports[_AGENTS["D"]]),
+        }
         for conn in self.pipes.values():
             conn.send(("peers", peers))
 
@@ -346,8 +367,9 @@ def cut(request: pytest.FixtureRequest, net: NetnsPair) -> Iterator[_Run]:
             _await_ends(ranks, ["big", "s0", "s1", "during0", "during1"], "PD", run.fault_at)
             # D hands a given-up request's blocks back once late bytes cannot land any more;
             # what it handed back is the caller's again: overwrite it, as a reuse would.
-            given_up = [k for k in ranks.admitted if ranks.ended(k, "D")
-                        and ranks.state("D", k) != "done"]  # fmt: skip
+            given_up = [
+                k for k in ranks.admitted if ranks.ended(k, "D") and ranks.state("D", k) != "done"
+            ]
             handed_back = lambda: all(f"d-{k}" in ranks.released for k in given_up)  # noqa: E731
             assert ranks.pump(handed_back, _DRAIN_S + _SLACK_S), "D held given-up blocks"
             gone = [b for k in given_up for b in ranks.admitted[k]]

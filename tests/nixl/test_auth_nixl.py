@@ -80,9 +80,13 @@ class _Pair:
         if any(isinstance(o, ReportReceived) and o.request_id == rid for o in self.outputs["D"]):
             tokens = len(p_blocks) * 8
             check = check_request(
-                self.d.engine.kv, request_seed(rid), d_blocks, unit_tokens=8, first_token=0,
+                self.d.engine.kv,
+                request_seed(rid),
+                d_blocks,
+                unit_tokens=8,
+                first_token=0,
                 tokens=tokens,
-            )  # fmt: skip
+            )
             assert check.compared and not check.wrong
         p_end, d_end = self.ended("P", rid), self.ended("D", rid)
         assert p_end is not None and d_end is not None

@@ -39,9 +39,12 @@ def pushed() -> dict[str, Any]:
     [("push", "contiguous", "peer"), ("pull", "realistic", "none")],
 )
 def test_bench_reports_every_variant_with_bytes_verified(
-    mode: str, allocation: str, errors: str, capsys: pytest.CaptureFixture[str],
+    mode: str,
+    allocation: str,
+    errors: str,
+    capsys: pytest.CaptureFixture[str],
     request: pytest.FixtureRequest,
-) -> None:  # fmt: skip
+) -> None:
     if (mode, allocation) == ("push", "contiguous"):  # the shared run is this one
         report = request.getfixturevalue("pushed")
     else:

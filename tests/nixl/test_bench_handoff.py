@@ -14,9 +14,12 @@ _SCRIPT = Path(__file__).parents[2] / "benchmarks" / "handoff_loop.py"
 def test_the_benchmark_reports_both_loops_and_every_request_received() -> None:
     args = ["--mode", "pull", "--requests", "5", "--model", "tiny", "--max-blocks", "2", "--json"]
     out = subprocess.run(
-        [sys.executable, str(_SCRIPT), *args], capture_output=True, text=True, timeout=300,
+        [sys.executable, str(_SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
         check=True,
-    )  # fmt: skip
+    )
     report = json.loads(out.stdout)
     for loop in ("event", "poll1ms"):
         assert report[f"received_{loop}"] == report[f"done_{loop}"] == 5

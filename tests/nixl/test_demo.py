@@ -42,9 +42,16 @@ def test_separate_processes_move_verified_kv(
     mode: Mode, p_tp: int, d_tp: int, model: str, p_bs: int, d_bs: int
 ) -> None:
     report = run_nixl_demo(
-        mode, _REQUESTS, seed=p_tp * 10 + d_tp, p_tp=p_tp, d_tp=d_tp, model=model,
-        p_block_size=p_bs, d_block_size=d_bs, memory_mib=8,
-    )  # fmt: skip
+        mode,
+        _REQUESTS,
+        seed=p_tp * 10 + d_tp,
+        p_tp=p_tp,
+        d_tp=d_tp,
+        model=model,
+        p_block_size=p_bs,
+        d_block_size=d_bs,
+        memory_mib=8,
+    )
     assert report.violations == []
     assert report.requests == report.done == _REQUESTS and report.verified
     assert report.finals == {"P:done": _REQUESTS * p_tp, "D:done": _REQUESTS * d_tp}
@@ -60,8 +67,11 @@ def test_cli_default_is_the_real_fabric() -> None:
     exe = Path(sys.executable).parent / "kvfsm"
     result = subprocess.run(
         [str(exe), "demo", "--requests", "6", "--memory-mib", "32", "--json"],
-        capture_output=True, text=True, check=False, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout)
     assert report["fabric"] == "nixl" and report["model"] == "llama3-8b"
@@ -75,9 +85,12 @@ def test_json_output_stays_json_when_ucx_warns() -> None:
     exe = Path(sys.executable).parent / "kvfsm"
     result = subprocess.run(
         [str(exe), "demo", "--requests", "2", "--memory-mib", "16", "--json"],
-        capture_output=True, text=True, check=False, timeout=300,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
         env=os.environ | {"UCX_KVFSM_NOT_A_SETTING": "1"},
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "UCX_KVFSM_NOT_A_SETTING" in result.stderr  # the warning went to stderr instead
     assert json.loads(result.stdout)["done"] == 2
@@ -98,16 +111,20 @@ _LOADS = [
 def test_readme_examples_under_load_end_every_request_done(args: list[str]) -> None:
     exe = Path(sys.executable).parent / "kvfsm"
     result = subprocess.run(
-        [str(exe), "demo", *args, "--json"], capture_output=True, text=True, check=False,
+        [str(exe), "demo", *args, "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
         timeout=300,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout)
     requests = int(args[args.index("--requests") + 1])
     assert report["done"] == requests and report["verified"] is True
     assert report["finals"] == {
-        "P:done": requests * report["p_tp"], "D:done": requests * report["d_tp"]
-    }  # fmt: skip
+        "P:done": requests * report["p_tp"],
+        "D:done": requests * report["d_tp"],
+    }
     assert report["counters"].get("replayed", 0) == 0 and report["why_not_done"] == []
 
 
@@ -122,25 +139,40 @@ def test_a_corrupted_byte_is_caught_and_fails_the_run() -> None:
 def test_cli_exits_1_when_bytes_differ() -> None:
     exe = Path(sys.executable).parent / "kvfsm"
     result = subprocess.run(
-        [str(exe), "demo", "--requests", "4", "--model", "tiny", "--memory-mib", "8",
-         "--corrupt", "2", "--json"],
-        capture_output=True, text=True, check=False, timeout=300,
-    )  # fmt: skip
+        [
+            str(exe),
+            "demo",
+            "--requests",
+            "4",
+            "--model",
+            "tiny",
+            "--memory-mib",
+            "8",
+            "--corrupt",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
     assert result.returncode == 1, result.stderr[-2000:]
     report = json.loads(result.stdout)
     assert report["mode"] == "push" and report["verified"] is False and report["done"] == 4
     assert report["violations"] == ["2 bytes differ from what P wrote"]
     assert "kvfsm demo: not every byte was verified equal" in result.stderr
-    assert report["why_not_done"] == [
-        "not every byte was verified equal", "1 safety violation(s)"
-    ]  # fmt: skip
+    assert report["why_not_done"] == ["not every byte was verified equal", "1 safety violation(s)"]
 
 
 def test_cli_refuses_a_tp_size_that_does_not_split_the_heads() -> None:
     exe = Path(sys.executable).parent / "kvfsm"
     result = subprocess.run(
         [str(exe), "demo", "--model", "tiny", "--d-tp", "3", "--requests", "1"],
-        capture_output=True, text=True, check=False, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert "num_kv_heads=8 is not divisible by tp_size=3" in result.stderr

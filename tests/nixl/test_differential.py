@@ -23,9 +23,14 @@ from kvfsm.testing import Cluster
 
 # Deadlines long enough for a loaded machine, short enough that a lease runs out in a test.
 _CONFIG = CoreConfig(
-    lease_s=2.0, watchdog_s=20.0, stall_s=10.0, producer_stall_s=15.0, fence_s=20.0,
-    heartbeat_s=0.5, pending_registration_ttl_s=20.0,
-)  # fmt: skip
+    lease_s=2.0,
+    watchdog_s=20.0,
+    stall_s=10.0,
+    producer_stall_s=15.0,
+    fence_s=20.0,
+    heartbeat_s=0.5,
+    pending_registration_ttl_s=20.0,
+)
 _WHAT = ("plain", "no-kv", "abort-p-early", "abort-d-early", "abort-d-registered")
 
 
@@ -137,9 +142,16 @@ def test_sim_and_nixl_agree(
     outcomes = []
     for fabric in ("sim", "nixl"):
         cluster = Cluster(
-            mode, seed=seed, config=_CONFIG, num_blocks=_MAX_OPS * _MAX_BLOCKS, p_tp=tp[0], d_tp=tp[1],
-            d_block_size=4 * ratio, fabric=fabric, ucx_error_handling=_UCX_ERRORS,  # type: ignore[arg-type]
-        )  # fmt: skip
+            mode,
+            seed=seed,
+            config=_CONFIG,
+            num_blocks=_MAX_OPS * _MAX_BLOCKS,
+            p_tp=tp[0],
+            d_tp=tp[1],
+            d_block_size=4 * ratio,
+            fabric=fabric,
+            ucx_error_handling=_UCX_ERRORS,  # type: ignore[arg-type]
+        )
         try:
             outcomes.append(_play(cluster, ops))
         finally:

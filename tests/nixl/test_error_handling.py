@@ -28,9 +28,14 @@ from kvfsm.wire import WIRE_VERSION
 _BOUND_S = 60.0  # a hang bound, not a timing expectation
 _names = itertools.count()
 _SMALL = CoreConfig(
-    lease_s=2.0, watchdog_s=1.0, stall_s=0.5, producer_stall_s=1.0, fence_s=1.0,
-    heartbeat_s=0.2, pending_registration_ttl_s=2.0,
-)  # fmt: skip
+    lease_s=2.0,
+    watchdog_s=1.0,
+    stall_s=0.5,
+    producer_stall_s=1.0,
+    fence_s=1.0,
+    heartbeat_s=0.2,
+    pending_registration_ttl_s=2.0,
+)
 
 
 @pytest.fixture(params=UCX_ERROR_HANDLING_MODES)
@@ -129,12 +134,16 @@ def test_the_connector_setting_is_checked() -> None:
 def _spawn(mode: UcxErrorHandling) -> RankProcesses:
     """A P and a D rank process, pull mode, short deadlines, connected."""
     g = model_geometry("tiny", tp_size=1, block_size=16, memory_mib=4)
-    chash = compat_hash(wire_version=WIRE_VERSION, mode="pull", model="tiny",
-                        dtype=DTYPES["tiny"], geometry=g)  # fmt: skip
+    chash = compat_hash(
+        wire_version=WIRE_VERSION, mode="pull", model="tiny", dtype=DTYPES["tiny"], geometry=g
+    )
     ranks = RankProcesses()
     for side in ("P", "D"):
-        ranks.start(RankSpec(side, "pull", g.for_rank(0), 1, 16, chash, ucx_error_handling=mode,
-                             config=_SMALL))  # fmt: skip
+        ranks.start(
+            RankSpec(
+                side, "pull", g.for_rank(0), 1, 16, chash, ucx_error_handling=mode, config=_SMALL
+            )
+        )
     ranks.connect(ranks.await_ready())
     return ranks
 

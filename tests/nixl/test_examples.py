@@ -24,8 +24,11 @@ def test_every_example_is_run_here() -> None:
 @pytest.mark.parametrize("name", sorted(SAYS))
 def test_the_example_runs(name: str) -> None:
     result = subprocess.run(
-        [sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, check=False,
+        [sys.executable, str(EXAMPLES / name)],
+        capture_output=True,
+        text=True,
+        check=False,
         timeout=180,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
     assert SAYS[name] in result.stdout.splitlines()[-1]

@@ -36,12 +36,20 @@ def test_an_engine_on_nixl_holds_given_up_blocks_at_least_that_long(fabric: Nixl
     short = msgspec.structs.replace(FAST_CONFIG, transport_drain_s=1.0)
     try:
         with pytest.raises(ValueError, match=r"below the 12\.0 s"):
-            Engine(Consumer(Identity("D"), "push", short), fabric, kv, LocalDirectory().view(),
-                   lambda: 0.0)  # fmt: skip
+            Engine(
+                Consumer(Identity("D"), "push", short),
+                fabric,
+                kv,
+                LocalDirectory().view(),
+                lambda: 0.0,
+            )
         engine = Engine(
-            Consumer(Identity("D"), "push", FAST_CONFIG), fabric, kv, LocalDirectory().view(),
+            Consumer(Identity("D"), "push", FAST_CONFIG),
+            fabric,
+            kv,
+            LocalDirectory().view(),
             lambda: 0.0,
-        )  # fmt: skip
+        )
         assert engine.side.transport_drain_s == fabric.late_delivery_s
         engine.close()
     finally:

@@ -119,9 +119,13 @@ def test_loops_move_verified_kv_submitted_from_another_thread(mode: Mode) -> Non
             assert isinstance(mine[0], ReportReceived) and isinstance(mine[1], Finished)
             assert mine[1].state == "done"
             check = check_request(
-                d.engine.kv, request_seed(f"r{i}"), mine[0].blocks, unit_tokens=4, first_token=0,
+                d.engine.kv,
+                request_seed(f"r{i}"),
+                mine[0].blocks,
+                unit_tokens=4,
+                first_token=0,
                 tokens=8,
-            )  # fmt: skip
+            )
             assert check.wrong == 0 and check.compared == 2 * d.engine.kv.block_bytes
         assert not p.loop.errors and not d.loop.errors
 

@@ -17,9 +17,12 @@ _SCRIPT = Path(__file__).parents[2] / "benchmarks" / "nixl_calls.py"
 def test_every_request_is_posted_once_and_only_the_engine_sends_notifications(mode: str) -> None:
     args = ["--mode", mode, "--requests", "6", "--regions", "1", "--rounds", "1", "--json"]
     out = subprocess.run(
-        [sys.executable, str(_SCRIPT), *args], capture_output=True, text=True, timeout=300,
+        [sys.executable, str(_SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
         check=True,
-    )  # fmt: skip
+    )
     report = json.loads(out.stdout)
     raw, engine = report["a2"], report["b"]
     # Counted from the warm-up's transfer on: one post per timed request, on either side.

@@ -160,9 +160,13 @@ def test_engines_move_verified_kv_over_real_nixl(mode: Mode, coalesce: bool) -> 
                             traces[out.request_id] = out
                         elif isinstance(out, ReportReceived):
                             checks[out.request_id] = check_request(
-                                d.kv, request_seed(f"r{i}"), out.blocks, unit_tokens=4,
-                                first_token=0, tokens=4 * len(blocks),
-                            )  # fmt: skip
+                                d.kv,
+                                request_seed(f"r{i}"),
+                                out.blocks,
+                                unit_tokens=4,
+                                first_token=0,
+                                tokens=4 * len(blocks),
+                            )
             assert finished.get(pid) == "done" and finished.get(did) == "done", (i, finished)
             assert checks[did] == (len(blocks) * d.kv.block_bytes, 0)
             poster = traces[pid] if mode == "push" else traces[did]

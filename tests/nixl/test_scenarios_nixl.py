@@ -33,8 +33,11 @@ def test_json_on_the_real_fabric_is_only_json() -> None:
     scenario = LIBRARY / "d_aborts_after_registration.toml"
     result = subprocess.run(
         [str(exe), "scenario", "--fabric", "nixl", "--json", str(scenario)],
-        capture_output=True, text=True, check=False, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     (line,) = result.stdout.splitlines()
     assert json.loads(line)["violations"] == []

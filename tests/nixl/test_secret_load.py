@@ -43,9 +43,16 @@ def _assert_all_done(c: Cluster) -> None:
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 4)])
 def test_a_thousand_in_flight_on_the_simulated_fabric(mode: Mode, p_tp: int, d_tp: int) -> None:
     c = Cluster(
-        mode, config=CONFIG, faults=REORDERING, num_blocks=2 * IN_FLIGHT * 2, p_tp=p_tp,
-        d_tp=d_tp, secret=SECRET, conformance=False, trace=False,
-    )  # fmt: skip
+        mode,
+        config=CONFIG,
+        faults=REORDERING,
+        num_blocks=2 * IN_FLIGHT * 2,
+        p_tp=p_tp,
+        d_tp=d_tp,
+        secret=SECRET,
+        conformance=False,
+        trace=False,
+    )
     _serve_all_at_once(c)
     _assert_all_done(c)
 
@@ -53,9 +60,14 @@ def test_a_thousand_in_flight_on_the_simulated_fabric(mode: Mode, p_tp: int, d_t
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_a_thousand_in_flight_on_real_nixl(mode: Mode) -> None:
     c = Cluster(
-        mode, config=CONFIG, num_blocks=2 * IN_FLIGHT * 2, fabric="nixl", secret=SECRET,
-        conformance=False, trace=False,
-    )  # fmt: skip
+        mode,
+        config=CONFIG,
+        num_blocks=2 * IN_FLIGHT * 2,
+        fabric="nixl",
+        secret=SECRET,
+        conformance=False,
+        trace=False,
+    )
     try:
         _serve_all_at_once(c)
         _assert_all_done(c)

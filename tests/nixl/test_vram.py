@@ -80,10 +80,14 @@ def test_a_cuda_kv_cache_is_vram() -> None:
 def test_gpu_engines_move_verified_kv(mode: Mode, p_tp: int, d_tp: int) -> None:
     n = next(_names)
     directory = LocalDirectory(time.monotonic)
-    p_ranks = [_GpuRank(Producer(Identity(f"GP{n}", r, p_tp), mode), _rank(p_tp, r), directory)
-               for r in range(p_tp)]  # fmt: skip
-    d_ranks = [_GpuRank(Consumer(Identity(f"GD{n}", r, d_tp), mode), _rank(d_tp, r), directory)
-               for r in range(d_tp)]  # fmt: skip
+    p_ranks = [
+        _GpuRank(Producer(Identity(f"GP{n}", r, p_tp), mode), _rank(p_tp, r), directory)
+        for r in range(p_tp)
+    ]
+    d_ranks = [
+        _GpuRank(Consumer(Identity(f"GD{n}", r, d_tp), mode), _rank(d_tp, r), directory)
+        for r in range(d_tp)
+    ]
     everyone = p_ranks + d_ranks
     try:
         requests = [(f"r{i}", np.array([2 * i, 2 * i + 1], dtype=np.int32)) for i in range(8)]
@@ -115,9 +119,13 @@ def test_gpu_engines_move_verified_kv(mode: Mode, p_tp: int, d_tp: int) -> None:
             rank.download()
             for key, blocks in requests:
                 check = check_request(
-                    rank.host, request_seed(key), blocks[::-1] + 16, unit_tokens=16,
-                    first_token=0, tokens=32,
-                )  # fmt: skip
+                    rank.host,
+                    request_seed(key),
+                    blocks[::-1] + 16,
+                    unit_tokens=16,
+                    first_token=0,
+                    tokens=32,
+                )
                 assert check.wrong == 0 and check.compared == 2 * rank.host.block_bytes, key
     finally:
         for rank in everyone:

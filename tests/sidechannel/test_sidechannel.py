@@ -38,9 +38,14 @@ from kvfsm.testing import free_port
 HOST = "127.0.0.1"
 WIRE = 1
 GEOMETRY = KvGeometry(
-    num_layers=32, num_kv_heads=8, head_dim=128, dtype_bytes=2, block_size=16, num_blocks=1024,
+    num_layers=32,
+    num_kv_heads=8,
+    head_dim=128,
+    dtype_bytes=2,
+    block_size=16,
+    num_blocks=1024,
     tp_size=2,
-)  # fmt: skip
+)
 HASH = compat_hash(
     wire_version=WIRE, mode="push", model="llama-3-8b", dtype="bfloat16", geometry=GEOMETRY
 )
@@ -136,14 +141,21 @@ def test_codec_round_trips_and_rejects_garbage() -> None:
 
 def test_compat_hash_is_stable_and_covers_what_must_be_equal() -> None:
     fields: dict[str, object] = {
-        "wire_version": WIRE, "mode": "push", "model": "llama-3-8b", "dtype": "bfloat16",
+        "wire_version": WIRE,
+        "mode": "push",
+        "model": "llama-3-8b",
+        "dtype": "bfloat16",
         "geometry": GEOMETRY,
-    }  # fmt: skip
+    }
     assert compat_hash(**fields) == HASH and len(HASH) == 64  # type: ignore[arg-type]
     changed: dict[str, object] = {"wire_version": 2, "mode": "pull", "model": "m", "dtype": "f16"}
     for name, value in {
-        "num_layers": 33, "num_kv_heads": 4, "head_dim": 64, "dtype_bytes": 4, "kv_layout": "NHD",
-    }.items():  # fmt: skip
+        "num_layers": 33,
+        "num_kv_heads": 4,
+        "head_dim": 64,
+        "dtype_bytes": 4,
+        "kv_layout": "NHD",
+    }.items():
         changed[name] = msgspec.structs.replace(GEOMETRY, **{name: value})
     changed["mla"] = msgspec.structs.replace(GEOMETRY, mla=True, num_kv_heads=1)
     hashes = {

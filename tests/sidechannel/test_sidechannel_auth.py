@@ -38,9 +38,15 @@ def guarded() -> Iterator[HandshakeListener]:
 
 def _fetch(port: int, secret: SharedSecret | None, requester: str = "decode#0") -> object:
     return fetch_peer(
-        HOST, port, "prefill#0", compat_hash=HASH, wire_version=WIRE, timeout_s=SAFETY_S,
-        secret=secret, requester=requester,
-    )[0]  # fmt: skip
+        HOST,
+        port,
+        "prefill#0",
+        compat_hash=HASH,
+        wire_version=WIRE,
+        timeout_s=SAFETY_S,
+        secret=secret,
+        requester=requester,
+    )[0]
 
 
 def test_holders_of_the_secret_handshake_and_become_guests(guarded: HandshakeListener) -> None:
@@ -96,9 +102,14 @@ def test_a_refusal_is_tagged_and_a_forged_one_is_not_taken_as_the_listeners() ->
     with HandshakeListener(PAYLOADS.get, secret=SECRET) as served:
         with pytest.raises(HandshakeError, match=r"refused.*compat hash mismatch") as caught:
             fetch_peer(
-                HOST, served.port, "prefill#0", compat_hash="another-model", wire_version=WIRE,
-                timeout_s=SAFETY_S, secret=SECRET,
-            )  # fmt: skip
+                HOST,
+                served.port,
+                "prefill#0",
+                compat_hash="another-model",
+                wire_version=WIRE,
+                timeout_s=SAFETY_S,
+                secret=SECRET,
+            )
         assert "without proof" not in str(caught.value)
     forged = encode(HandshakeRefused("compat hash mismatch: forged"))
     with _ReplayingListener(forged) as port, pytest.raises(HandshakeError) as caught:

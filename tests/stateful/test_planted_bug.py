@@ -86,9 +86,13 @@ def test_blocks_handed_back_before_late_bytes_land_are_caught(
     )
     env = {**os.environ, "CI": "true"}
     found = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600,
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
         cwd=Path(__file__).parents[2],
-    ).stdout  # fmt: skip
+    ).stdout
     assert "no late write" in found and "bytes still due" in found, found[-2000:]
 
 

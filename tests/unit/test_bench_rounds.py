@@ -27,10 +27,15 @@ def _stand_in(walls: list[float]) -> Callable[[BenchPlan], dict[str, Any]]:
         rows = len(plan.src[0]) * plan.regions * len(plan.src)
         wall = next(rounds)
         return {
-            "wall_s": wall, "latency_s": [wall * 1e-3], "cpu_s": 1e-3, "verified": True,
-            "descriptors": rows, "fabric_descriptors": rows, "notified_s": [wall * 2e-3],
+            "wall_s": wall,
+            "latency_s": [wall * 1e-3],
+            "cpu_s": 1e-3,
+            "verified": True,
+            "descriptors": rows,
+            "fabric_descriptors": rows,
+            "notified_s": [wall * 2e-3],
             "hops_s": {name: [wall * 1e-4] for name, _, _ in HOPS["push"]},
-        }  # fmt: skip
+        }
 
     return run
 
@@ -41,9 +46,17 @@ def test_rounds_keep_their_order_and_b_over_a2_is_paired_within_each(
     for variant in bench._VARIANTS:
         monkeypatch.setitem(bench._VARIANTS, variant, _stand_in(_WALLS.get(variant, [1.0] * 3)))
     options = bench.BenchOptions(
-        mode="push", allocation="contiguous", block_kib=4, num_blocks=8, regions=2, requests=2,
-        blocks_per_request=2, inflight=1, seed=0, repeat=3,
-    )  # fmt: skip
+        mode="push",
+        allocation="contiguous",
+        block_kib=4,
+        num_blocks=8,
+        regions=2,
+        requests=2,
+        blocks_per_request=2,
+        inflight=1,
+        seed=0,
+        repeat=3,
+    )
     steps: list[int] = []
     report = bench.run_bench(options, steps.append)
     moved = options.plan.bytes_per_request * 2 / 1e9  # GB per run
@@ -79,9 +92,17 @@ def test_every_number_in_flight_gets_its_own_rounds_and_the_first_heads_the_repo
             bench._VARIANTS, variant, by_inflight(2.0 if variant == "engine" else 1.0)
         )
     options = bench.BenchOptions(
-        mode="push", allocation="contiguous", block_kib=4, num_blocks=8, regions=2, requests=2,
-        blocks_per_request=2, inflight=4, seed=0, more_inflight=(1,),
-    )  # fmt: skip
+        mode="push",
+        allocation="contiguous",
+        block_kib=4,
+        num_blocks=8,
+        regions=2,
+        requests=2,
+        blocks_per_request=2,
+        inflight=4,
+        seed=0,
+        more_inflight=(1,),
+    )
     steps: list[int] = []
     report = bench.run_bench(options, steps.append)
     moved = options.plan.bytes_per_request * 2 / 1e9
@@ -100,9 +121,13 @@ def test_hops_run_from_each_point_to_the_next_and_skip_a_point_never_reached() -
     }
     hops = handoff_hops("push", {"bench0": 1.0, "bench1": 10.0}, entered, {"bench0": 4.0})
     assert hops == {
-        "D registers": [0.25, 1.0], "registration at P": [0.25], "post": [0.25],
-        "DONE at P": [1.25], "notification at D": [0.5], "report": [0.5],
-    }  # fmt: skip
+        "D registers": [0.25, 1.0],
+        "registration at P": [0.25],
+        "post": [0.25],
+        "DONE at P": [1.25],
+        "notification at D": [0.5],
+        "report": [0.5],
+    }
 
 
 def test_only_the_chosen_variants_run_and_ratios_need_both_of_theirs(
@@ -115,9 +140,17 @@ def test_only_the_chosen_variants_run_and_ratios_need_both_of_theirs(
             bench._VARIANTS, variant, lambda plan, v=variant, s=stand_in: ran.append(v) or s(plan)
         )
     options = bench.BenchOptions(
-        mode="push", allocation="contiguous", block_kib=4, num_blocks=8, regions=2, requests=2,
-        blocks_per_request=2, inflight=1, seed=0, variants=("raw_unmerged",),
-    )  # fmt: skip
+        mode="push",
+        allocation="contiguous",
+        block_kib=4,
+        num_blocks=8,
+        regions=2,
+        requests=2,
+        blocks_per_request=2,
+        inflight=1,
+        seed=0,
+        variants=("raw_unmerged",),
+    )
     assert options.variants == ("raw", "raw_unmerged", "engine")  # a2 and b always run
     report = bench.run_bench(options, lambda _: None)
     assert ran == ["raw", "raw_unmerged", "engine"] and report["variants"] == ran
@@ -125,6 +158,14 @@ def test_only_the_chosen_variants_run_and_ratios_need_both_of_theirs(
     assert report["ratio_coalesced_raw"] is None and "coalesced_gbps" not in report
     with pytest.raises(ValueError, match="unknown variants"):
         bench.BenchOptions(
-            mode="push", allocation="contiguous", block_kib=4, num_blocks=8, regions=2,
-            requests=2, blocks_per_request=2, inflight=1, seed=0, variants=("fastest",),
-        )  # fmt: skip
+            mode="push",
+            allocation="contiguous",
+            block_kib=4,
+            num_blocks=8,
+            regions=2,
+            requests=2,
+            blocks_per_request=2,
+            inflight=1,
+            seed=0,
+            variants=("fastest",),
+        )

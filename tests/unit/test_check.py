@@ -186,9 +186,13 @@ def test_workers_leave_a_nixl_agent_they_inherited_alone() -> None:
     parent shares, and the parent aborted when it collected the agent itself (UCX: "unable to
     modify event set"). Seen when the suite ran on two xdist workers."""
     out = subprocess.run(
-        [sys.executable, "-c", _NIXL_GARBAGE_THEN_WORKERS], capture_output=True, text=True,
-        timeout=120, check=False, env={**os.environ, "NIXL_LOG_LEVEL": "WARN"},
-    )  # fmt: skip
+        [sys.executable, "-c", _NIXL_GARBAGE_THEN_WORKERS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "NIXL_LOG_LEVEL": "WARN"},
+    )
     assert out.returncode == 0 and out.stdout.strip() == "survived", out.stderr[-2000:]
 
 

@@ -95,11 +95,24 @@ def test_demo_fails_when_any_rank_of_either_side_did_not_end_done() -> None:
     from kvfsm.cli.demo._report import DemoReport, why_not_done
 
     report = DemoReport(
-        mode="pull", fabric="nixl", requests=4, done=4, failed=0, expired=0, aborted=0,
-        bytes=1, verified=True, violations=[], p_tp=1, d_tp=1,
-        finals={"P:done": 3, "P:failed": 1, "D:done": 4}, time_in_state_ms={},
-        counters={"bytes": 1, "posted": 4, "stall_timeout": 1}, simulated_s=0.0, cpu_s=0.0,
-    )  # fmt: skip
+        mode="pull",
+        fabric="nixl",
+        requests=4,
+        done=4,
+        failed=0,
+        expired=0,
+        aborted=0,
+        bytes=1,
+        verified=True,
+        violations=[],
+        p_tp=1,
+        d_tp=1,
+        finals={"P:done": 3, "P:failed": 1, "D:done": 4},
+        time_in_state_ms={},
+        counters={"bytes": 1, "posted": 4, "stall_timeout": 1},
+        simulated_s=0.0,
+        cpu_s=0.0,
+    )
     assert not report.ok
     assert why_not_done(report) == ["1 request(s) ended failed on P", "counters: stall_timeout 1"]
     report.finals = {"P:done": 4, "D:done": 4}

@@ -134,8 +134,14 @@ def config(**changes: Any) -> CoreConfig:
 # --- cores driven directly --------------------------------------------------------------------
 
 
-def registration(p_id: str, d_id: str, ids: tuple[int, ...] = (1, 2), rank: int = 0,
-                 tp: int = 1, deadline: float = 1e9) -> bytes:  # fmt: skip
+def registration(
+    p_id: str,
+    d_id: str,
+    ids: tuple[int, ...] = (1, 2),
+    rank: int = 0,
+    tp: int = 1,
+    deadline: float = 1e9,
+) -> bytes:
     return encode(Registration(p_id, d_id, rank, tp, "D", pack_blocks(list(ids)), deadline))
 
 
@@ -481,8 +487,12 @@ def test_caller_event_out_of_order_raises_local_protocol_error(mode: Mode) -> No
         p.handle(PrefillFinished("r-1", blocks(1, 2)), 0.5)
     err = info.value
     assert (err.request, err.side, err.state, err.event, err.fault) == (
-        "r-1", "P", "leased", "prefill_finished", "caller"
-    )  # fmt: skip
+        "r-1",
+        "P",
+        "leased",
+        "prefill_finished",
+        "caller",
+    )
     for part in ("'r-1'", " P ", "'leased'", "'prefill_finished'", "caller"):
         assert part in str(err)
     assert p.requests["r-1"].state == "leased"  # unchanged; the request goes on

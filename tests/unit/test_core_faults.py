@@ -261,8 +261,10 @@ def test_notifications_for_unknown_requests_are_counted_unknown(mode: Mode) -> N
     for message in messages_to("D", mode, "ghost-00000000", "ghost-11111111"):
         deliver(cluster, "D#0", "P#0", message)
     assert cluster.engines["D#0"].side.counters["unknown"] == 5
-    for message in [*messages_to("P", mode, "ghost-11111111", "ghost-00000000"),
-                    Cancel("ghost-11111111", "ghost-00000000", 0, 1)]:  # fmt: skip
+    for message in [
+        *messages_to("P", mode, "ghost-11111111", "ghost-00000000"),
+        Cancel("ghost-11111111", "ghost-00000000", 0, 1),
+    ]:
         deliver(cluster, "P#0", "D#0", message)
     assert cluster.engines["P#0"].side.counters["unknown"] == 2
     before = cluster.engines["P#0"].side.counters["heartbeat_unknown"]

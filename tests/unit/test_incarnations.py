@@ -55,9 +55,15 @@ _P_ID, _D_ID = "r-0000000a", "r-0000000b"
 
 def _registration(incarnation: int, d_id: str = _D_ID) -> NotificationReceived:
     reg = Registration(
-        _P_ID if d_id == _D_ID else "r-0000000c", d_id, 0, 1, "decode", pack_blocks(_BLOCKS),
-        30.0, incarnation=incarnation,
-    )  # fmt: skip
+        _P_ID if d_id == _D_ID else "r-0000000c",
+        d_id,
+        0,
+        1,
+        "decode",
+        pack_blocks(_BLOCKS),
+        30.0,
+        incarnation=incarnation,
+    )
     return NotificationReceived("decode#0", encode(reg))
 
 

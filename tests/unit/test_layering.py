@@ -14,10 +14,27 @@ import kvfsm
 _ROOT = Path(kvfsm.__file__).parent
 _PURE = ("core", "lifecycle", "layout", "wire")
 _FORBIDDEN_MODULES = {
-    "asyncio", "nixl", "nixl_cu12", "nixl_cu13", "select", "signal", "socket", "subprocess",
-    "threading", "time", "torch", "vllm", "zmq", "kvfsm.fabric", "kvfsm.runtime", "kvfsm.testing",
-    "kvfsm.cli", "kvfsm.harness", "kvfsm.vllm", "kvfsm.sidechannel",
-}  # fmt: skip
+    "asyncio",
+    "nixl",
+    "nixl_cu12",
+    "nixl_cu13",
+    "select",
+    "signal",
+    "socket",
+    "subprocess",
+    "threading",
+    "time",
+    "torch",
+    "vllm",
+    "zmq",
+    "kvfsm.fabric",
+    "kvfsm.runtime",
+    "kvfsm.testing",
+    "kvfsm.cli",
+    "kvfsm.harness",
+    "kvfsm.vllm",
+    "kvfsm.sidechannel",
+}
 # `lifecycle` reads its model files at load time; nothing else touches the file system.
 _FILE_ACCESS_ALLOWED = {"lifecycle"}
 

@@ -115,51 +115,110 @@ def _add(doc: Doc, table: str, **fields: Any) -> None:
 
 
 MUTATIONS: list[tuple[str, Callable[[Doc], None], list[str]]] = [
-    ("unknown_dest", lambda d: _t(d, 1, dest="nowhere"),
-     ["transition #1 (go: a -> nowhere)", "unknown destination state 'nowhere'"]),
-    ("unknown_source", lambda d: _t(d, 2, source=["b", "zz"]),
-     ["transition #2 (stop: b, zz -> end)", "unknown source state 'zz'"]),
-    ("unknown_event", lambda d: _t(d, 2, trigger="fly"),
-     ["transition #2 (fly: b -> end)", "unknown event 'fly'"]),
-    ("unknown_guard", lambda d: _t(d, 0, guards=["h"]),
-     ["transition #0 (go: a -> b)", "unknown guard 'h'"]),
-    ("unknown_unless", lambda d: _t(d, 0, guards=[], unless=["h"]),
-     ["transition #0 (go: a -> b)", "unknown guard 'h'"]),
-    ("unknown_command", lambda d: _t(d, 2, commands=["c", "x"]),
-     ["transition #2 (stop: b -> end)", "unknown command 'x'"]),
-    ("no_source", lambda d: _t(d, 2, source=[]),
-     ["transition #2 (stop:  -> end)", "no source state"]),
-    ("from_terminal", lambda d: _add(d, "transitions", trigger="go", source=["end"], dest="a"),
-     ["transition #3 (go: end -> a)", "source 'end' is terminal"]),
-    ("unreachable", lambda d: (
-        _add(d, "states", name="island"),
-        _add(d, "transitions", trigger="stop", source=["island"], dest="end"),
-    ), ["state 'island' is unreachable from 'a'"]),
-    ("cannot_end", lambda d: (
-        _add(d, "states", name="trap"),
-        _add(d, "transitions", trigger="go", source=["b"], dest="trap"),
-        _add(d, "transitions", trigger="go", source=["trap"], dest="="),
-    ), ["state 'trap' can never reach a terminal state"]),
-    ("guarded_only", lambda d: _t(d, 2, guards=["g"]),
-     ["transition #2 (stop: b)", "every 'stop' transition from 'b' is guarded"]),
-    ("shadowed", lambda d: _add(d, "transitions", trigger="go", source=["a"], dest="end"),
-     ["transition #3 (go: a -> end) can never fire", "transition #1 takes every 'go' in 'a'"]),
+    (
+        "unknown_dest",
+        lambda d: _t(d, 1, dest="nowhere"),
+        ["transition #1 (go: a -> nowhere)", "unknown destination state 'nowhere'"],
+    ),
+    (
+        "unknown_source",
+        lambda d: _t(d, 2, source=["b", "zz"]),
+        ["transition #2 (stop: b, zz -> end)", "unknown source state 'zz'"],
+    ),
+    (
+        "unknown_event",
+        lambda d: _t(d, 2, trigger="fly"),
+        ["transition #2 (fly: b -> end)", "unknown event 'fly'"],
+    ),
+    (
+        "unknown_guard",
+        lambda d: _t(d, 0, guards=["h"]),
+        ["transition #0 (go: a -> b)", "unknown guard 'h'"],
+    ),
+    (
+        "unknown_unless",
+        lambda d: _t(d, 0, guards=[], unless=["h"]),
+        ["transition #0 (go: a -> b)", "unknown guard 'h'"],
+    ),
+    (
+        "unknown_command",
+        lambda d: _t(d, 2, commands=["c", "x"]),
+        ["transition #2 (stop: b -> end)", "unknown command 'x'"],
+    ),
+    (
+        "no_source",
+        lambda d: _t(d, 2, source=[]),
+        ["transition #2 (stop:  -> end)", "no source state"],
+    ),
+    (
+        "from_terminal",
+        lambda d: _add(d, "transitions", trigger="go", source=["end"], dest="a"),
+        ["transition #3 (go: end -> a)", "source 'end' is terminal"],
+    ),
+    (
+        "unreachable",
+        lambda d: (
+            _add(d, "states", name="island"),
+            _add(d, "transitions", trigger="stop", source=["island"], dest="end"),
+        ),
+        ["state 'island' is unreachable from 'a'"],
+    ),
+    (
+        "cannot_end",
+        lambda d: (
+            _add(d, "states", name="trap"),
+            _add(d, "transitions", trigger="go", source=["b"], dest="trap"),
+            _add(d, "transitions", trigger="go", source=["trap"], dest="="),
+        ),
+        ["state 'trap' can never reach a terminal state"],
+    ),
+    (
+        "guarded_only",
+        lambda d: _t(d, 2, guards=["g"]),
+        ["transition #2 (stop: b)", "every 'stop' transition from 'b' is guarded"],
+    ),
+    (
+        "shadowed",
+        lambda d: _add(d, "transitions", trigger="go", source=["a"], dest="end"),
+        ["transition #3 (go: a -> end) can never fire", "transition #1 takes every 'go' in 'a'"],
+    ),
     ("duplicate_state", lambda d: _add(d, "states", name="b"), ["state 'b' declared 2 times"]),
-    ("duplicate_event", lambda d: _add(d, "events", name="go", origin="peer"),
-     ["event 'go' declared 2 times"]),
-    ("duplicate_command", lambda d: _add(d, "commands", name="c"),
-     ["command 'c' declared 2 times"]),
-    ("initial_undeclared", lambda d: d["machine"].update(initial="nope"),
-     ["initial state 'nope' is not a declared state"]),
-    ("dest_not_str", lambda d: _t(d, 1, dest=3),
-     ["Expected `str`, got `int`", "$.transitions[1].dest"]),
-    ("unknown_field", lambda d: _t(d, 2, priority=1),
-     ["unknown field `priority`", "$.transitions[2]"]),
-    ("bad_origin", lambda d: d["events"][0].update(origin="martian"),
-     ["'martian'", "$.events[0].origin"]),
-    ("missing_field", lambda d: d["transitions"][2].pop("dest"),
-     ["missing required field `dest`", "$.transitions[2]"]),
-]  # fmt: skip
+    (
+        "duplicate_event",
+        lambda d: _add(d, "events", name="go", origin="peer"),
+        ["event 'go' declared 2 times"],
+    ),
+    (
+        "duplicate_command",
+        lambda d: _add(d, "commands", name="c"),
+        ["command 'c' declared 2 times"],
+    ),
+    (
+        "initial_undeclared",
+        lambda d: d["machine"].update(initial="nope"),
+        ["initial state 'nope' is not a declared state"],
+    ),
+    (
+        "dest_not_str",
+        lambda d: _t(d, 1, dest=3),
+        ["Expected `str`, got `int`", "$.transitions[1].dest"],
+    ),
+    (
+        "unknown_field",
+        lambda d: _t(d, 2, priority=1),
+        ["unknown field `priority`", "$.transitions[2]"],
+    ),
+    (
+        "bad_origin",
+        lambda d: d["events"][0].update(origin="martian"),
+        ["'martian'", "$.events[0].origin"],
+    ),
+    (
+        "missing_field",
+        lambda d: d["transitions"][2].pop("dest"),
+        ["missing required field `dest`", "$.transitions[2]"],
+    ),
+]
 
 
 @pytest.mark.parametrize(("case", "mutate", "expected"), MUTATIONS, ids=[m[0] for m in MUTATIONS])

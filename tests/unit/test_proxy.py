@@ -67,8 +67,9 @@ class _Engine:
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 seen.append(body)
-                answer = json.dumps({"engine": name, "kv_transfer_params": {"from": name},
-                                     "sent": body}).encode()  # fmt: skip
+                answer = json.dumps(
+                    {"engine": name, "kv_transfer_params": {"from": name}, "sent": body}
+                ).encode()
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(answer)))
                 self.end_headers()
@@ -105,8 +106,9 @@ def test_an_answer_says_how_long_prefill_and_decode_took() -> None:
     p, d = _Engine("p"), _Engine("d")
     served = Proxy(0, [p.address], [d.address]).start()
     try:
-        request = urllib.request.Request(f"http://127.0.0.1:{served.port}/v1/completions",
-                                         b'{"prompt": [1], "max_tokens": 2}')  # fmt: skip
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{served.port}/v1/completions", b'{"prompt": [1], "max_tokens": 2}'
+        )
         with urllib.request.urlopen(request, timeout=30) as answer:
             timing = answer.headers["Server-Timing"]
         prefill, decode = (part.strip().split(";dur=") for part in timing.split(","))

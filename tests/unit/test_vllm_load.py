@@ -17,11 +17,19 @@ def _cell(ms: float, rate: float, mismatches: int = 0) -> dict[str, Any]:
 
 
 def test_ratios_are_over_nixl_at_the_same_concurrency() -> None:
-    report = {"connectors": {
-        "nixl_pull": {"error": None, "by_concurrency": {"1": _cell(100, 2), "4": _cell(400, 4)}},
-        "kvfsm_pull": {"error": None, "by_concurrency": {"1": _cell(25, 8), "4": _cell(40, 5, 1)}},
-        "kvfsm_push": {"error": "ServeError: down", "by_concurrency": {}},
-    }}  # fmt: skip
+    report = {
+        "connectors": {
+            "nixl_pull": {
+                "error": None,
+                "by_concurrency": {"1": _cell(100, 2), "4": _cell(400, 4)},
+            },
+            "kvfsm_pull": {
+                "error": None,
+                "by_concurrency": {"1": _cell(25, 8), "4": _cell(40, 5, 1)},
+            },
+            "kvfsm_push": {"error": "ServeError: down", "by_concurrency": {}},
+        }
+    }
     vllm_load.add_ratios(report)
     one, four = (report["connectors"]["kvfsm_pull"]["by_concurrency"][n] for n in ("1", "4"))
     assert one["ratio_ttft_ms_p50"] == 0.25 and one["ratio_requests_per_s"] == 4

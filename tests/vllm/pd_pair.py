@@ -43,9 +43,11 @@ class Engine:
         self, model_dir: Path, role: str, extra: dict[str, Any], policy: str, tp: int = 1
     ) -> None:
         config = {
-            "kv_connector": "KvfsmConnector", "kv_connector_module_path": "kvfsm.vllm",
-            "kv_role": role, "kv_connector_extra_config": extra | {"side_channel_port": free_port()},
-        }  # fmt: skip
+            "kv_connector": "KvfsmConnector",
+            "kv_connector_module_path": "kvfsm.vllm",
+            "kv_role": role,
+            "kv_connector_extra_config": extra | {"side_channel_port": free_port()},
+        }
         vllm_config = make_vllm_config(model_dir, config, kv_load_failure_policy=policy)  # type: ignore[arg-type]
         vllm_config.parallel_config.tensor_parallel_size = tp
         self.scheduler = make_scheduler(vllm_config, 64)
@@ -131,8 +133,10 @@ class Pair:
                 return
             if not any(busy) and not self.progress.wait(BOUND_S):
                 break
-        pytest.fail(f"{what} did not happen; P: {describe(self.p.scheduler)};"
-                    f" D: {describe(self.d.scheduler)}")  # fmt: skip
+        pytest.fail(
+            f"{what} did not happen; P: {describe(self.p.scheduler)};"
+            f" D: {describe(self.d.scheduler)}"
+        )
 
     def prefill(self, rid: str, prompt: list[int] = PROMPT) -> dict[str, Any]:
         """Run a prefill on P; its params for D."""

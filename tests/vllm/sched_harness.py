@@ -496,14 +496,17 @@ def assert_no_leak(scheduler: Scheduler) -> None:
     more step to hand it to the workers. `drain()` runs that step.
     """
     held = {
-        "requests": scheduler.requests, "running": scheduler.running,
-        "waiting": list(scheduler.waiting), "kv_holding_waiting": list(scheduler.kv_holding_waiting),
-        "deferred_waiting": scheduler.deferred_waiting, "inflight": scheduler._inflight_prefills,
+        "requests": scheduler.requests,
+        "running": scheduler.running,
+        "waiting": list(scheduler.waiting),
+        "kv_holding_waiting": list(scheduler.kv_holding_waiting),
+        "deferred_waiting": scheduler.deferred_waiting,
+        "inflight": scheduler._inflight_prefills,
         "finished_recving_kv_req_ids": scheduler.finished_recving_kv_req_ids,
         "failed_recving_kv_req_ids": scheduler.failed_recving_kv_req_ids,
         "deferred_frees": scheduler.deferred_frees,
         "finished_req_ids (not yet sent to workers)": scheduler.finished_req_ids,
-    }  # fmt: skip
+    }
     left = {name: value for name, value in held.items() if value}
     assert not left, f"scheduler still holds {left}; {describe(scheduler)}"
     assert not scheduler.has_requests(), f"has_requests() is True: {describe(scheduler)}"

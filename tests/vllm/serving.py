@@ -41,10 +41,17 @@ class Deployment:
 
 @contextmanager
 def deployment(
-    model: Path, mode: str, logs: Path, *, prefill: int = 1, decode: int = 1,
-    d_connector: dict[str, Any] | None = None, flags: Sequence[str] = (), secret: str = "",
+    model: Path,
+    mode: str,
+    logs: Path,
+    *,
+    prefill: int = 1,
+    decode: int = 1,
+    d_connector: dict[str, Any] | None = None,
+    flags: Sequence[str] = (),
+    secret: str = "",
     nixl_env: bool = False,
-) -> Iterator[Deployment]:  # fmt: skip
+) -> Iterator[Deployment]:
     """`prefill` P and `decode` D engines serving `model` in `mode` (`vllm serve` with `flags`
     too), and a proxy; all stopped at the end. `d_connector` overrides D's connector
     (`connector`, `module` keys). `secret`: the deployment's shared secret, set as

@@ -71,9 +71,15 @@ def test_shared_secret_comes_from_the_named_environment_variable(
 
 def _p_params(**override: object) -> dict[str, object]:
     params = producer_params(
-        request_id="cmpl-1", block_ids=[3, 4], engine_id="P-engine", host="10.0.0.1", port=5600,
-        tp_size=2, num_tokens=40, mode="pull",
-    )  # fmt: skip
+        request_id="cmpl-1",
+        block_ids=[3, 4],
+        engine_id="P-engine",
+        host="10.0.0.1",
+        port=5600,
+        tp_size=2,
+        num_tokens=40,
+        mode="pull",
+    )
     return params | override
 
 
@@ -123,9 +129,13 @@ def test_split_kv_and_mla_layouts() -> None:
     )
     assert (g.kv_layout, g.split_kv, len(buffers)) == ("NHD", True, 2)
     g, _ = geometry_of(
-        {"l0": torch.zeros(4, 16, 576)}, block_size=16, num_kv_heads=1, tp_size=2, tp_rank=0,
+        {"l0": torch.zeros(4, 16, 576)},
+        block_size=16,
+        num_kv_heads=1,
+        tp_size=2,
+        tp_rank=0,
         mla=True,
-    )  # fmt: skip
+    )
     assert g.mla and g.head_dim == 576
 
 

@@ -204,9 +204,13 @@ def test_a_failed_load_is_reported_as_invalid_blocks(
     ids=["bug_on_P_push", "bug_on_D_pull"],
 )
 def test_a_bug_fails_the_load_safely_and_vllm_gets_every_block_back(
-    model_dir: Path, mode: str, cls: type[Side], command: str,
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
-) -> None:  # fmt: skip
+    model_dir: Path,
+    mode: str,
+    cls: type[Side],
+    command: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """A command that raises on one side: the request is given up there (D's blocks reported
     invalid, recomputed), the bug is logged on `vllm.kvfsm` and counted in the stats, every
     block goes back to both schedulers once the hold ends, and the next request is served."""
@@ -242,11 +246,21 @@ def test_a_bug_fails_the_load_safely_and_vllm_gets_every_block_back(
 def test_prometheus_metrics_count_what_the_stats_carry(model_dir: Path) -> None:
     registry = CollectorRegistry()
     types = {t: functools.partial(t, registry=registry) for t in (Counter, Gauge, Histogram)}
-    config = make_vllm_config(model_dir, {"kv_connector": "KvfsmConnector",
-        "kv_connector_module_path": "kvfsm.vllm", "kv_role": "kv_consumer"})  # fmt: skip
+    config = make_vllm_config(
+        model_dir,
+        {
+            "kv_connector": "KvfsmConnector",
+            "kv_connector_module_path": "kvfsm.vllm",
+            "kv_role": "kv_consumer",
+        },
+    )
     prom = KvfsmConnector.build_prom_metrics(config, types, ["engine"], {0: ["0"]})
-    window = {"ended": {"done": 2, "failed": 1}, "counts": {"transfers": 3, "bytes": 4096},
-              "seconds": {"reading": 0.5}, "visits": {"reading": 3}}  # fmt: skip
+    window = {
+        "ended": {"done": 2, "failed": 1},
+        "counts": {"transfers": 3, "bytes": 4096},
+        "seconds": {"reading": 0.5},
+        "visits": {"reading": 3},
+    }
     prom.observe(window, engine_idx=0)
     prom.observe(window, engine_idx=0)
     value = registry.get_sample_value
@@ -311,7 +325,11 @@ def test_malformed_params_from_a_client_make_d_compute_locally(
 def test_what_kvfsm_cannot_run_is_refused_at_start_up(
     model_dir: Path, role: str, extra: dict[str, Any], match: str
 ) -> None:
-    config = {"kv_connector": "KvfsmConnector", "kv_connector_module_path": "kvfsm.vllm",
-              "kv_role": role, "kv_connector_extra_config": extra}  # fmt: skip
+    config = {
+        "kv_connector": "KvfsmConnector",
+        "kv_connector_module_path": "kvfsm.vllm",
+        "kv_role": role,
+        "kv_connector_extra_config": extra,
+    }
     with pytest.raises(SettingsError, match=match):
         make_scheduler(make_vllm_config(model_dir, config), 64)

@@ -47,8 +47,9 @@ def _hand_off(e: Pair, prompt: list[int] = PROMPT) -> tuple[list[int], list[int]
     assert params["remote_block_ids"] == p_blocks
     assert params["kvfsm_group_blocks"] == [WINDOW_BLOCKS, 5]
     e.decode("d-1", params, prompt)
-    e.settle(lambda: "d-1" in e.d.scheduler.requests and bool(e.d.group_blocks("d-1")[1]),
-             "D allocating")  # fmt: skip
+    e.settle(
+        lambda: "d-1" in e.d.scheduler.requests and bool(e.d.group_blocks("d-1")[1]), "D allocating"
+    )
     d_blocks = _moved(e.d.group_blocks("d-1"))
     return p_blocks, d_blocks
 

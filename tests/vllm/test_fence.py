@@ -44,8 +44,10 @@ def test_events_wait_for_the_work_queued_before_them_and_keep_their_order() -> N
     assert out.empty()  # order holds: step 1's events first
     points[0].done.set()
     assert [out.get(timeout=10) for _ in range(3)] == [
-        "prefill r1 finished", "abort r2", "prefill r3 finished"
-    ]  # fmt: skip
+        "prefill r1 finished",
+        "abort r2",
+        "prefill r3 finished",
+    ]
     fence.close()
 
 

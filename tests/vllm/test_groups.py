@@ -29,14 +29,21 @@ def _config(*specs: Any) -> SimpleNamespace:
 
 def _mamba(speculative: int = 0) -> MambaSpec:
     return MambaSpec(
-        block_size=512, shapes=((3, 544), (8, 64, 16)), dtypes=(torch.float32,) * 2,
+        block_size=512,
+        shapes=((3, 544), (8, 64, 16)),
+        dtypes=(torch.float32,) * 2,
         num_speculative_blocks=speculative,
-    )  # fmt: skip
+    )
 
 
 def test_each_group_moves_what_the_receiver_needs_in_group_order() -> None:
-    groups = KvGroups.of(_config(SlidingWindowSpec(**_ATTN, sliding_window=64),
-                                 FullAttentionSpec(**_ATTN), _mamba(speculative=2)))  # fmt: skip
+    groups = KvGroups.of(
+        _config(
+            SlidingWindowSpec(**_ATTN, sliding_window=64),
+            FullAttentionSpec(**_ATTN),
+            _mamba(speculative=2),
+        )
+    )
     # 7 blocks: the window of 64 tokens needs the last ceil(64/32)+1 = 3 of the sliding group;
     # the Mamba group's running state is its last slot before the 2 speculative ones.
     block_ids = ([0, 0, 0, 0, 11, 12, 13], [1, 2, 3, 4, 5, 6, 7], [0, 30, 31, 32])
@@ -46,8 +53,9 @@ def test_each_group_moves_what_the_receiver_needs_in_group_order() -> None:
 
 
 def test_a_short_request_moves_every_block_it_has() -> None:
-    groups = KvGroups.of(_config(SlidingWindowSpec(**_ATTN, sliding_window=64),
-                                 FullAttentionSpec(**_ATTN)))  # fmt: skip
+    groups = KvGroups.of(
+        _config(SlidingWindowSpec(**_ATTN, sliding_window=64), FullAttentionSpec(**_ATTN))
+    )
     assert groups.blocks(([5], [6])).tolist() == [5, 6]
     assert groups.blocks(()).tolist() == []
     with pytest.raises(ValueError, match="2 KV cache groups"):
@@ -73,8 +81,9 @@ def test_p_moves_exactly_the_sliding_blocks_vllm_gives_d_at_every_length(window:
     ceil(W/B)+1 moved 3 where D held 2 at some lengths, and D failed those loads.)"""
     from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 
-    groups = KvGroups.of(_config(SlidingWindowSpec(**_ATTN, sliding_window=window),
-                                 FullAttentionSpec(**_ATTN)))  # fmt: skip
+    groups = KvGroups.of(
+        _config(SlidingWindowSpec(**_ATTN, sliding_window=window), FullAttentionSpec(**_ATTN))
+    )
     manager = SimpleNamespace(sliding_window=window, extra_retained_tokens=0)
     for tokens in range(1, 400):
         blocks = -(-tokens // 32)

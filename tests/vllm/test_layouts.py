@@ -171,9 +171,10 @@ def _resolved(declared: tuple[KVCacheLayout, ...] | None) -> KVCacheLayout:
     backend = SimpleNamespace(supported_kv_cache_layouts=lambda: declared)
     supported = [x.name for x in get_supported_kv_cache_layouts([backend])]  # type: ignore[list-item]
     transfer = KVTransferConfig(
-        kv_connector="KvfsmConnector", kv_connector_module_path="kvfsm.vllm",
+        kv_connector="KvfsmConnector",
+        kv_connector_module_path="kvfsm.vllm",
         kv_role="kv_producer",
-    )  # fmt: skip
+    )
     config = SimpleNamespace(
         cache_config=SimpleNamespace(kv_cache_layout=None), kv_transfer_config=transfer
     )

@@ -38,23 +38,36 @@ class _Rank:
     """One engine rank whose KV cache vLLM's code laid out."""
 
     def __init__(
-        self, core: Producer | Consumer, spec: Any, layout: KVCacheLayout, *, heads: int,
-        mla: bool, directory: LocalDirectory, device: str = "cpu", kernel: int | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        core: Producer | Consumer,
+        spec: Any,
+        layout: KVCacheLayout,
+        *,
+        heads: int,
+        mla: bool,
+        directory: LocalDirectory,
+        device: str = "cpu",
+        kernel: int | None = None,
+    ) -> None:
         me = core.identity
         self.views = _views(spec, layout, device, kernel)
         geometry, buffers = geometry_of(
-            {f"layers.{i}": v for i, v in enumerate(self.views)}, block_size=spec.block_size,
+            {f"layers.{i}": v for i, v in enumerate(self.views)},
+            block_size=spec.block_size,
             num_kv_heads=heads,
-            tp_size=me.tp_size, tp_rank=me.rank, mla=mla,
-        )  # fmt: skip
+            tp_size=me.tp_size,
+            tp_rank=me.rank,
+            mla=mla,
+        )
         self.geometry = geometry
         self.split = spec.block_size // geometry.block_size  # kernel blocks per vLLM block
         self.engine = Engine(
-            core, NixlFabric(me.agent, mem_type="VRAM" if device == "cuda" else "DRAM"),
-            KvCache(geometry, buffers), directory.view(),
+            core,
+            NixlFabric(me.agent, mem_type="VRAM" if device == "cuda" else "DRAM"),
+            KvCache(geometry, buffers),
+            directory.view(),
             time.monotonic,
-        )  # fmt: skip
+        )
         directory.publish(self.engine.agent, self.engine.info)
 
     def close(self) -> None:
@@ -70,12 +83,16 @@ def _views(
     )
     size = spec.page_size_bytes * BLOCKS * LAYERS
     tensor = KVCacheTensor(
-        size=size, layers=[f"l{i}" for i in range(LAYERS)], layer_stride=layer_stride,
+        size=size,
+        layers=[f"l{i}" for i in range(LAYERS)],
+        layer_stride=layer_stride,
         block_stride=block_stride,
-    )  # fmt: skip
+    )
     raw = torch.zeros(size, dtype=torch.int8, device=device)
-    return [v.view(torch.uint8 if v.element_size() == 1 else torch.int16) for v in
-            create_kv_cache_views(raw, spec, BLOCKS, layout, tensor, kernel)]  # fmt: skip
+    return [
+        v.view(torch.uint8 if v.element_size() == 1 else torch.int16)
+        for v in create_kv_cache_views(raw, spec, BLOCKS, layout, tensor, kernel)
+    ]
 
 
 def _expected(layer: int, tokens: Any, heads: Any, width: int) -> Any:
@@ -129,27 +146,51 @@ def _spec(block_size: int, heads: int, dtype: torch.dtype, mla: bool) -> Any:
 
 
 def _move(
-    mode: Mode, layout: KVCacheLayout, p_tp: int, d_tp: int, p_bs: int, d_bs: int, *,
-    dtype: torch.dtype = torch.float16, mla: bool = False, hit: int = 0, tokens: int = 45,
-    d_layout: KVCacheLayout | None = None, device: str = "cpu", kernel: int | None = None,
-) -> int:  # fmt: skip
+    mode: Mode,
+    layout: KVCacheLayout,
+    p_tp: int,
+    d_tp: int,
+    p_bs: int,
+    d_bs: int,
+    *,
+    dtype: torch.dtype = torch.float16,
+    mla: bool = False,
+    hit: int = 0,
+    tokens: int = 45,
+    d_layout: KVCacheLayout | None = None,
+    device: str = "cpu",
+    kernel: int | None = None,
+) -> int:
     """Move one request of `tokens` tokens P -> D (D in `d_layout`, default P's); D already
     holds its first `hit` blocks. Returns the descriptor rows the posting side posted."""
     n = next(_names)
     heads = 1 if mla else HEADS
     directory = LocalDirectory(time.monotonic)
     p = [
-        _Rank(Producer(Identity(f"VP{n}", r, p_tp), mode),
-              _spec(p_bs, heads // p_tp if not mla else 1, dtype, mla), layout,
-              heads=heads, mla=mla, directory=directory, device=device, kernel=kernel)
+        _Rank(
+            Producer(Identity(f"VP{n}", r, p_tp), mode),
+            _spec(p_bs, heads // p_tp if not mla else 1, dtype, mla),
+            layout,
+            heads=heads,
+            mla=mla,
+            directory=directory,
+            device=device,
+            kernel=kernel,
+        )
         for r in range(p_tp)
-    ]  # fmt: skip
+    ]
     d = [
-        _Rank(Consumer(Identity(f"VD{n}", r, d_tp), mode),
-              _spec(d_bs, heads // d_tp if not mla else 1, dtype, mla), d_layout or layout,
-              heads=heads, mla=mla, directory=directory, device=device)
+        _Rank(
+            Consumer(Identity(f"VD{n}", r, d_tp), mode),
+            _spec(d_bs, heads // d_tp if not mla else 1, dtype, mla),
+            d_layout or layout,
+            heads=heads,
+            mla=mla,
+            directory=directory,
+            device=device,
+        )
         for r in range(d_tp)
-    ]  # fmt: skip
+    ]
     try:
         p_blocks = [BLOCKS - 1 - 2 * i for i in range(-(-tokens // p_bs))]  # scattered
         d_all = [1 + i for i in range(-(-tokens // d_bs))]

@@ -109,8 +109,10 @@ def test_remote_prefill_waits_then_decodes(model_dir: Path) -> None:
     assert isinstance(scheduler.connector, FakeConnector)
     sched_calls = scheduler.connector.calls
     assert sched_calls[:3] == [
-        "get_num_new_matched_tokens", "update_state_after_alloc:70", "build_connector_meta"
-    ]  # fmt: skip
+        "get_num_new_matched_tokens",
+        "update_state_after_alloc:70",
+        "build_connector_meta",
+    ]
     assert "update_state_after_alloc:0" in sched_calls  # the second call, after the load
     assert driver.drain()[-1].scheduler_output is not None  # a last step tells the workers
     assert_no_leak(scheduler)

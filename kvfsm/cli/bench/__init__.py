@@ -27,13 +27,17 @@ def add_command(commands: Commands) -> None:
         "--mode", choices=["push", "pull"], default="push", help="push: WRITE; pull: READ"
     )
     bench.add_argument(
-        "--allocation", choices=["contiguous", "fragmented", "realistic"], default="contiguous",
+        "--allocation",
+        choices=["contiguous", "fragmented", "realistic"],
+        default="contiguous",
         help="how requests' blocks lie: runs, a shuffled free list, or an allocator after churn",
-    )  # fmt: skip
+    )
     bench.add_argument(
-        "--memory", choices=MEMORIES, default="dram",
+        "--memory",
+        choices=MEMORIES,
+        default="dram",
         help="where both KV caches are: host memory, or one CUDA device's (registered as VRAM)",
-    )  # fmt: skip
+    )
     bench.add_argument("--block-kib", type=int, default=16, help="KiB of one block in one region")
     bench.add_argument("--blocks", type=int, default=2048, help="blocks per region")
     bench.add_argument("--regions", type=int, default=4, help="regions (layers x K/V)")
@@ -42,35 +46,52 @@ def add_command(commands: Commands) -> None:
         "--blocks-per-request", type=int, default=16, help="blocks of every region per request"
     )
     bench.add_argument(
-        "--inflight", type=int, nargs="+", default=[4],
+        "--inflight",
+        type=int,
+        nargs="+",
+        default=[4],
         help="transfers in flight at most; more than one: every variant at each (by_inflight)",
-    )  # fmt: skip
+    )
     bench.add_argument("--seed", type=int, default=0, help="seed of the blocks and bytes")
     bench.add_argument(
-        "--repeat", type=int, default=3,
+        "--repeat",
+        type=int,
+        default=3,
         help="rounds of every variant, interleaved; each variant reports its median run",
-    )  # fmt: skip
+    )
     bench.add_argument(
-        "--ucx-error-handling", choices=["peer", "none"], default="peer",
+        "--ucx-error-handling",
+        choices=["peer", "none"],
+        default="peer",
         help="UCX error handling for kvfsm's variants (a1 keeps NIXL's default, peer)",
-    )  # fmt: skip
+    )
     bench.add_argument(
-        "--control-in-flight", type=int, nargs="+", default=[10, 100, 1000, 10000],
+        "--control-in-flight",
+        type=int,
+        nargs="+",
+        default=[10, 100, 1000, 10000],
         help="requests in flight for the control-plane CPU figures",
-    )  # fmt: skip
+    )
     bench.add_argument(
-        "--control-total", type=int, default=10000,
+        "--control-total",
+        type=int,
+        default=10000,
         help="lifecycles per control-plane measurement (0 skips it)",
-    )  # fmt: skip
+    )
     bench.add_argument(
-        "--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+        "--variants",
+        nargs="+",
+        choices=VARIANTS,
+        default=list(VARIANTS),
         help="which variants run (raw and engine always do: b/a2 is the headline)",
-    )  # fmt: skip
+    )
     bench.add_argument(
-        "--layout", choices=LAYOUTS, default="LBHNC",
+        "--layout",
+        choices=LAYOUTS,
+        default="LBHNC",
         help="vLLM's KV cache layout of both caches: BL* keep a block's pages of every layer"
         " together, and kvfsm moves such a block as one row (default: %(default)s)",
-    )  # fmt: skip
+    )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(run=_execute)
 
@@ -81,14 +102,24 @@ def _execute(args: argparse.Namespace) -> int:
         return 2
     try:
         options = BenchOptions(
-            mode=args.mode, allocation=args.allocation, block_kib=args.block_kib,
-            num_blocks=args.blocks, regions=args.regions, requests=args.requests,
-            blocks_per_request=args.blocks_per_request, inflight=args.inflight[0], seed=args.seed,
+            mode=args.mode,
+            allocation=args.allocation,
+            block_kib=args.block_kib,
+            num_blocks=args.blocks,
+            regions=args.regions,
+            requests=args.requests,
+            blocks_per_request=args.blocks_per_request,
+            inflight=args.inflight[0],
+            seed=args.seed,
             more_inflight=tuple(args.inflight[1:]),
-            control_in_flight=tuple(args.control_in_flight), control_total=args.control_total,
-            ucx_error_handling=args.ucx_error_handling, repeat=args.repeat, memory=args.memory,
-            variants=tuple(args.variants), layout=args.layout,
-        )  # fmt: skip
+            control_in_flight=tuple(args.control_in_flight),
+            control_total=args.control_total,
+            ucx_error_handling=args.ucx_error_handling,
+            repeat=args.repeat,
+            memory=args.memory,
+            variants=tuple(args.variants),
+            layout=args.layout,
+        )
     except ValueError as exc:
         print(f"kvfsm bench: {exc}", file=sys.stderr)
         return 2

@@ -70,9 +70,15 @@ def bench_geometry(plan: BenchPlan) -> KvGeometry:
             f"blocks of {plan.block_bytes} bytes: need a multiple of {_TOKENS * _DTYPE}"
         )
     return KvGeometry(
-        num_layers=plan.regions, num_kv_heads=1, head_dim=head_dim, dtype_bytes=_DTYPE,
-        block_size=_TOKENS, num_blocks=plan.num_blocks, mla=True, interleaved=plan.blocks_first,
-    )  # fmt: skip
+        num_layers=plan.regions,
+        num_kv_heads=1,
+        head_dim=head_dim,
+        dtype_bytes=_DTYPE,
+        block_size=_TOKENS,
+        num_blocks=plan.num_blocks,
+        mla=True,
+        interleaved=plan.blocks_first,
+    )
 
 
 def _rank(side: str, plan: BenchPlan, coalesce: bool, conn: Connection) -> None:
@@ -90,12 +96,14 @@ def _rank(side: str, plan: BenchPlan, coalesce: bool, conn: Connection) -> None:
     core = (Producer if is_p else Consumer)(Identity(side), mode, CoreConfig())
     buf = kv_buffer(plan, is_p)
     rank = open_rank(
-        core, KvCache(g, [buf]), coalesce=coalesce,
+        core,
+        KvCache(g, [buf]),
+        coalesce=coalesce,
         compat_hash=compat_hash(
             wire_version=WIRE_VERSION, mode=mode, model="bench", dtype="bf16", geometry=g
         ),
         ucx_error_handling=plan.error_handling("engine"),
-    )  # fmt: skip
+    )
     outputs = _Outputs()
     loop = EngineLoop(rank.engine, outputs.put)
     rank.directory.on_result = loop.wake
@@ -225,9 +233,13 @@ def _consumer(plan: BenchPlan, loop: Any, outputs: _Outputs, conn: Connection) -
     wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
     latencies = [reported[key] - at for key, at in admitted.items()]
     figures = {
-        "wall_s": wall, "cpu_s": cpu, "latency_s": latencies, "verified": failed == 0,
-        "admitted": admitted, "reported": reported,
-    }  # fmt: skip
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "latency_s": latencies,
+        "verified": failed == 0,
+        "admitted": admitted,
+        "reported": reported,
+    }
     return figures | outputs.until_finished(len(plan.dst) + 1, deadline)
 
 
@@ -260,11 +272,13 @@ def run_engine_variant(plan: BenchPlan, *, coalesce: bool) -> dict[str, Any]:
     variant = "coalesced" if coalesce else "engine"
     procs = [
         ctx.Process(
-            target=_rank, args=(side, plan, coalesce, child), daemon=True,
+            target=_rank,
+            args=(side, plan, coalesce, child),
+            daemon=True,
             name=f"{variant} {side}",
         )
         for side, (_, child) in pipes.items()
-    ]  # fmt: skip
+    ]
     for p in procs:
         p.start()
     p_conn, d_conn = pipes["P"][0], pipes["D"][0]
@@ -288,13 +302,17 @@ def run_engine_variant(plan: BenchPlan, *, coalesce: bool) -> dict[str, Any]:
                 proc.kill()
     poster = p if plan.op == "WRITE" else d
     return {
-        "wall_s": d["wall_s"], "latency_s": d["latency_s"], "cpu_s": poster["cpu_s"],
-        "verified": d["verified"], "descriptors": poster["descriptors"],
+        "wall_s": d["wall_s"],
+        "latency_s": d["latency_s"],
+        "cpu_s": poster["cpu_s"],
+        "verified": d["verified"],
+        "descriptors": poster["descriptors"],
         "fabric_descriptors": poster["fabric_descriptors"],
         "idle_cpu_per_s": {"P": p["idle_cpu_per_s"], "D": d["idle_cpu_per_s"]},
-        "hops_s": handoff_hops(plan.mode, d["admitted"], {"P": p["entered"], "D": d["entered"]},
-                               d["reported"]),
-    }  # fmt: skip
+        "hops_s": handoff_hops(
+            plan.mode, d["admitted"], {"P": p["entered"], "D": d["entered"]}, d["reported"]
+        ),
+    }
 
 
 def handoff_hops(

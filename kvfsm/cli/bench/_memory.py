@@ -50,9 +50,12 @@ def on_host(buffer: Any) -> npt.NDArray[np.uint8]:
 
 
 def copy_gbps(
-    src: Any, dst: Any, shape: tuple[int, int, int], moves: list[tuple[list[int], list[int]]],
+    src: Any,
+    dst: Any,
+    shape: tuple[int, int, int],
+    moves: list[tuple[list[int], list[int]]],
     repeat: int = 3,
-) -> float:  # fmt: skip
+) -> float:
     """GB/s of copying every move's source blocks onto its destination blocks, `src` and `dst`
     seen as (regions, blocks, block bytes): numpy's gather/scatter on the host, torch's on a
     CUDA device (synchronised): the limit a transfer of the same blocks could reach."""

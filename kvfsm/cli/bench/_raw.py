@@ -208,9 +208,12 @@ def serve_target(plan: BenchPlan, variant: Variant, conn: Connection) -> None:
 
     thread, telemetry, _ = _SETTINGS[variant]
     fabric = NixlFabric(
-        "bench-target", progress_thread=thread, telemetry=telemetry,
-        ucx_error_handling=plan.error_handling(variant), mem_type=plan.mem_type,
-    )  # fmt: skip
+        "bench-target",
+        progress_thread=thread,
+        telemetry=telemetry,
+        ucx_error_handling=plan.error_handling(variant),
+        mem_type=plan.mem_type,
+    )
     source = plan.op == "READ"  # the initiator READs from us, or WRITEs into us
     buf = kv_buffer(plan, source)
     handle = fabric.register_memory(buf)
@@ -247,9 +250,12 @@ class RawInitiator:
         thread, telemetry, self.merge = _SETTINGS[variant]
         self.plan, self.telemetry = plan, telemetry
         self.fabric = NixlFabric(
-            "bench-initiator", progress_thread=thread, telemetry=telemetry,
-            ucx_error_handling=plan.error_handling(variant), mem_type=plan.mem_type,
-        )  # fmt: skip
+            "bench-initiator",
+            progress_thread=thread,
+            telemetry=telemetry,
+            ucx_error_handling=plan.error_handling(variant),
+            mem_type=plan.mem_type,
+        )
         self.source = plan.op == "WRITE"
         self.buf = kv_buffer(plan, self.source)
         self.mem = self.fabric.register_memory(self.buf)
@@ -264,9 +270,14 @@ class RawInitiator:
         is told `notify` when it is done (nothing if empty)."""
         plan = self.plan
         return self.fabric.make_prepped_xfer(
-            plan.op, self.local, _ids(plan, self._mine[i]), self.far, _ids(plan, self._theirs[i]),
-            notify, merge=self.merge,
-        )  # fmt: skip
+            plan.op,
+            self.local,
+            _ids(plan, self._mine[i]),
+            self.far,
+            _ids(plan, self._theirs[i]),
+            notify,
+            merge=self.merge,
+        )
 
     def close(self) -> bool:
         """Whether every byte is in place here (True on the source side); then release all."""
@@ -289,10 +300,14 @@ def _initiator(plan: BenchPlan, variant: Variant, remote: tuple[bytes, int, int]
     ok = me.close()
     posted = len(plan.src) * len(plan.src[0]) * plan.regions
     return {
-        "wall_s": wall, "cpu_s": cpu, "latency_s": latencies, "verified": ok,
-        "descriptors": posted, "fabric_descriptors": moved if me.telemetry else None,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "latency_s": latencies,
+        "verified": ok,
+        "descriptors": posted,
+        "fabric_descriptors": moved if me.telemetry else None,
         "posted_at": posted_at,
-    }  # fmt: skip
+    }
 
 
 def _post_all(
@@ -362,14 +377,18 @@ def run_pair(
     i_conn, i_child = ctx.Pipe()
     procs = [
         ctx.Process(
-            target=serve_target, args=(plan, target, t_child), daemon=True,
+            target=serve_target,
+            args=(plan, target, t_child),
+            daemon=True,
             name=f"{name} target",
         ),
         ctx.Process(
-            target=_initiator_main, args=(initiate, args, i_child), daemon=True,
+            target=_initiator_main,
+            args=(initiate, args, i_child),
+            daemon=True,
             name=f"{name} initiator",
         ),
-    ]  # fmt: skip
+    ]
     for p in procs:
         p.start()
     try:

@@ -56,13 +56,27 @@ is whether a block's pages of every layer lie together (BL*)."""
 class BenchOptions:
     """What `kvfsm bench` was asked for."""
 
-    def __init__(self, *, mode: str, allocation: str, block_kib: int, num_blocks: int,
-                 regions: int, requests: int, blocks_per_request: int, inflight: int,
-                 seed: int, control_in_flight: tuple[int, ...] = (),
-                 control_total: int = 0, ucx_error_handling: UcxErrorHandling = "peer",
-                 repeat: int = 1, memory: Memory = "dram",
-                 more_inflight: tuple[int, ...] = (),
-                 variants: tuple[str, ...] = VARIANTS, layout: str = "LBHNC") -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        mode: str,
+        allocation: str,
+        block_kib: int,
+        num_blocks: int,
+        regions: int,
+        requests: int,
+        blocks_per_request: int,
+        inflight: int,
+        seed: int,
+        control_in_flight: tuple[int, ...] = (),
+        control_total: int = 0,
+        ucx_error_handling: UcxErrorHandling = "peer",
+        repeat: int = 1,
+        memory: Memory = "dram",
+        more_inflight: tuple[int, ...] = (),
+        variants: tuple[str, ...] = VARIANTS,
+        layout: str = "LBHNC",
+    ) -> None:
         """`inflight`: the headline's transfers in flight at most; `more_inflight`: further
         numbers every variant also runs at (`by_inflight`); `variants`: which run (a GPU's
         short lease may want a2 and b alone)."""
@@ -70,10 +84,14 @@ class BenchOptions:
             raise ValueError(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
         self.variants = tuple(v for v in VARIANTS if v in {"raw", "engine", *variants})
         sizes = {
-            "--block-kib": block_kib, "--blocks": num_blocks, "--regions": regions,
-            "--requests": requests, "--blocks-per-request": blocks_per_request,
-            "--inflight": min((inflight, *more_inflight)), "--repeat": repeat,
-        }  # fmt: skip
+            "--block-kib": block_kib,
+            "--blocks": num_blocks,
+            "--regions": regions,
+            "--requests": requests,
+            "--blocks-per-request": blocks_per_request,
+            "--inflight": min((inflight, *more_inflight)),
+            "--repeat": repeat,
+        }
         if small := [f"{flag} {value}" for flag, value in sizes.items() if value < 1]:
             raise ValueError(f"{', '.join(small)}: every size and count must be at least 1")
         self.repeat, self.more_inflight = repeat, more_inflight
@@ -88,22 +106,33 @@ class BenchOptions:
         # regenerated beside it for the byte check.
         buffer = block_kib * 1024 * num_blocks * regions
         require_memory(
-            3 * buffer, f"three KV buffers of {buffer / 2**30:,.2f} GiB (source, sink, byte check)",
+            3 * buffer,
+            f"three KV buffers of {buffer / 2**30:,.2f} GiB (source, sink, byte check)",
             "fewer --blocks or --regions, or a smaller --block-kib",
-        )  # fmt: skip
+        )
         self.mode, self.allocation, self.seed = mode, allocation, seed
         self.control_in_flight = control_in_flight if control_total else ()
         self.control_total = control_total
         src, dst = plan_requests(
-            requests=requests, blocks=blocks_per_request, num_blocks=num_blocks,
-            allocation=allocation, seed=seed,
-        )  # fmt: skip
+            requests=requests,
+            blocks=blocks_per_request,
+            num_blocks=num_blocks,
+            allocation=allocation,
+            seed=seed,
+        )
         self.plan = BenchPlan(
-            block_bytes=block_kib * 1024, num_blocks=num_blocks, regions=regions,
-            op="WRITE" if mode == "push" else "READ", src=src, dst=dst, inflight=inflight,
-            seed=seed, ucx_error_handling=ucx_error_handling, memory=memory,
+            block_bytes=block_kib * 1024,
+            num_blocks=num_blocks,
+            regions=regions,
+            op="WRITE" if mode == "push" else "READ",
+            src=src,
+            dst=dst,
+            inflight=inflight,
+            seed=seed,
+            ucx_error_handling=ucx_error_handling,
+            memory=memory,
             blocks_first=layout.startswith("BL"),
-        )  # fmt: skip
+        )
 
 
 def run_bench(options: BenchOptions, advance: Callable[[int], None]) -> dict[str, Any]:
@@ -114,13 +143,21 @@ def run_bench(options: BenchOptions, advance: Callable[[int], None]) -> dict[str
     `by_inflight`."""
     plan = options.plan
     report: dict[str, Any] = {
-        "mode": options.mode, "op": plan.op, "allocation": options.allocation,
-        "block_bytes": plan.block_bytes, "regions": plan.regions, "requests": len(plan.src),
-        "blocks_per_request": len(plan.src[0]), "bytes_per_request": plan.bytes_per_request,
-        "descriptors_per_request": len(plan.src[0]) * plan.regions, "inflight": plan.inflight,
-        "ucx_error_handling": plan.ucx_error_handling, "repeat": options.repeat,
-        "memory": plan.memory, "layout": options.layout,
-    }  # fmt: skip
+        "mode": options.mode,
+        "op": plan.op,
+        "allocation": options.allocation,
+        "block_bytes": plan.block_bytes,
+        "regions": plan.regions,
+        "requests": len(plan.src),
+        "blocks_per_request": len(plan.src[0]),
+        "bytes_per_request": plan.bytes_per_request,
+        "descriptors_per_request": len(plan.src[0]) * plan.regions,
+        "inflight": plan.inflight,
+        "ucx_error_handling": plan.ucx_error_handling,
+        "repeat": options.repeat,
+        "memory": plan.memory,
+        "layout": options.layout,
+    }
     sweep = {
         str(n): _transfers(msgspec.structs.replace(plan, inflight=n), options, advance)
         for n in (plan.inflight, *options.more_inflight)
@@ -169,17 +206,21 @@ def _transfers(
         key: figures[f"{a}_gbps"] / figures[f"{b}_gbps"] if a in runs and b in runs else None
         for key, (a, b) in _RATIOS.items()
     }
-    return figures | ratios | {
-        "variants": list(runs),
-        "raw_time_us_per_request": raw_us,
-        "engine_extra_us_per_request": engine_us - raw_us,
-        # b/a2 within each round: how far the headline ratio (of the medians) can be trusted.
-        "ratio_engine_raw_by_round": [
-            b / a2
-            for b, a2 in zip(figures["engine_gbps_runs"], figures["raw_gbps_runs"], strict=True)
-        ],
-        "verified": all(bool(r["verified"]) for results in runs.values() for r in results),
-    }  # fmt: skip
+    return (
+        figures
+        | ratios
+        | {
+            "variants": list(runs),
+            "raw_time_us_per_request": raw_us,
+            "engine_extra_us_per_request": engine_us - raw_us,
+            # b/a2 within each round: how far the headline ratio (of the medians) can be trusted.
+            "ratio_engine_raw_by_round": [
+                b / a2
+                for b, a2 in zip(figures["engine_gbps_runs"], figures["raw_gbps_runs"], strict=True)
+            ],
+            "verified": all(bool(r["verified"]) for results in runs.values() for r in results),
+        }
+    )
 
 
 def _figures(plan: BenchPlan, variant: str, result: dict[str, Any]) -> dict[str, Any]:

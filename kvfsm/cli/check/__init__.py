@@ -39,9 +39,11 @@ def add_command(commands: Commands) -> None:
         "--depth", type=int, default=None, help="actions per path at most (default: 9, CI's bound)"
     )
     check.add_argument(
-        "--workers", type=int, default=None,
+        "--workers",
+        type=int,
+        default=None,
         help="processes replaying paths (default: one per CPU; the report is the same)",
-    )  # fmt: skip
+    )
     check.add_argument("--json", action="store_true", help="print one JSON object")
     check.set_defaults(run=_execute)
 
@@ -55,10 +57,16 @@ def _execute(args: argparse.Namespace) -> int:
     modes: list[Mode] = ["push", "pull"] if args.mode == "both" else [args.mode]
     with progress_bar(depth * len(modes), enabled=not args.json, label="depth levels") as advance:
         reports = [
-            run_check(m, max_faults=args.faults, requests=args.requests, max_depth=depth,
-                      workers=workers, progress=advance)
+            run_check(
+                m,
+                max_faults=args.faults,
+                requests=args.requests,
+                max_depth=depth,
+                workers=workers,
+                progress=advance,
+            )
             for m in modes
-        ]  # fmt: skip
+        ]
     found = [{"mode": r.mode, **msgspec.to_builtins(v)} for r in reports for v in r.violations]
     if args.json:
         total = {

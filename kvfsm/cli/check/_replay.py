@@ -182,8 +182,12 @@ def _advance(c: Cluster, labelled: bool = False) -> str:
     elif events and events[0][0] == due:
         what = _describe(c, events[0][2], due)
     else:
-        shakes = [f"{e.agent}'s handshake with {h[1]}" for e in c.live_engines()
-                  for h in handshakes(e) if h[0] == due]  # fmt: skip
+        shakes = [
+            f"{e.agent}'s handshake with {h[1]}"
+            for e in c.live_engines()
+            for h in handshakes(e)
+            if h[0] == due
+        ]
         woken = [e.agent for e in c.live_engines() if e.next_wakeup() == due]
         what = ", ".join(shakes) or f"a wakeup of {' and '.join(woken)}"
     label = f"advance {due - c.now:.4f} s to t={due:.4f}: {what}"

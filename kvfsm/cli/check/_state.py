@@ -126,28 +126,47 @@ def _engine_print(c: Cluster, agent: str, n: Namer) -> Hashable:
         for k, w in side.deadlines._where.items()
     )
     peers = sorted(
-        (p.id, p.state, len(p.outbox), tuple(map(n.id, p.waiters)), n.t(getattr(p, "idle_since", None)),
-         round(getattr(p, "clock_offset", 0.0), 9), round(getattr(p, "clock_error", 0.0), 9),
-         getattr(p, "incarnation", 0))
+        (
+            p.id,
+            p.state,
+            len(p.outbox),
+            tuple(map(n.id, p.waiters)),
+            n.t(getattr(p, "idle_since", None)),
+            round(getattr(p, "clock_offset", 0.0), 9),
+            round(getattr(p, "clock_error", 0.0), 9),
+            getattr(p, "incarnation", 0),
+        )
         for p in side.peers.values()
-    )  # fmt: skip
-    flights = sorted((n.id(f.request_id), f.op, f.peer, _xfer_state(engine, f.handle))
-                     for f in engine.inflight.values())  # fmt: skip
+    )
+    flights = sorted(
+        (n.id(f.request_id), f.op, f.peer, _xfer_state(engine, f.handle))
+        for f in engine.inflight.values()
+    )
     ended = [(n.id(k), v) for k, v in side.tombstones._ended.items() if n.keep(n.id(k))]
     if side.side == "P":
         extra: Any = (
             sorted((s, n.id(r), n.t(e.expires)) for (s, r), e in side._pending._entries.items()),
             sorted((n.id(k), n.id(v)) for k, v in side._consumed._ended.items() if n.keep(n.id(k))),
             sorted(k for k in side._ended_bases._ended if n.keep(f"{k}@")),
-        )  # fmt: skip
+        )
     else:
         holds = [(n.t(until), n.id(rid), len(blocks)) for until, rid, blocks in side.quarantine]
         extra = (n.t(side._next_heartbeat), holds)
-    return repr((
-        agent, sorted(_request_print(r, n) for r in side.requests.values()), deadlines, peers,
-        flights, sorted((n.t(e[0]), e[1], e[-1]) for e in handshakes(engine)), sorted(ended),
-        sorted(engine._routes), side.shut_down, extra, n.t(getattr(side, "_next_peer_sweep", None)),
-    ))  # fmt: skip
+    return repr(
+        (
+            agent,
+            sorted(_request_print(r, n) for r in side.requests.values()),
+            deadlines,
+            peers,
+            flights,
+            sorted((n.t(e[0]), e[1], e[-1]) for e in handshakes(engine)),
+            sorted(ended),
+            sorted(engine._routes),
+            side.shut_down,
+            extra,
+            n.t(getattr(side, "_next_peer_sweep", None)),
+        )
+    )
 
 
 def _xfer_state(engine: Any, handle: int) -> str:
@@ -160,15 +179,32 @@ def _xfer_state(engine: Any, handle: int) -> str:
 def _request_print(r: Any, n: Namer) -> tuple[Any, ...]:
     tally = r.tally
     links = [
-        (a, n.id(link.request_id), bool(link.transfer_id), getattr(link, "granted", None),
-         n.t(link.deadline), len(link.block_ids), link.incarnation)
+        (
+            a,
+            n.id(link.request_id),
+            bool(link.transfer_id),
+            getattr(link, "granted", None),
+            n.t(link.deadline),
+            len(link.block_ids),
+            link.incarnation,
+        )
         for a, link in sorted(r.links.items())
-    ]  # fmt: skip
+    ]
     return (
-        n.id(r.id), r.state, r.abort_requested, len(r.blocks), tally.state, tally.expected,
-        tally.ok, tally.failed, sorted(tally.reported), links, sorted(r.acks), sorted(r.lost),
+        n.id(r.id),
+        r.state,
+        r.abort_requested,
+        len(r.blocks),
+        tally.state,
+        tally.expected,
+        tally.ok,
+        tally.failed,
+        sorted(tally.reported),
+        links,
+        sorted(r.acks),
+        sorted(r.lost),
         r.consumer_released,
-    )  # fmt: skip
+    )
 
 
 def _network_print(c: Cluster, n: Namer) -> Hashable:
@@ -216,16 +252,21 @@ def _ledger_print(c: Cluster, n: Namer) -> Hashable:
     """The ledger's books of the requests not settled, and what settled ones still owe."""
     ledger: Any = c.ledger
     live = {k for k in c.requests if k not in n.settled}
-    return repr((
-        [(k, pr.finished_prefill, sorted(pr.final.items())) for k, pr in sorted(c.requests.items())
-         if k in live],
-        sorted(n.settled),
-        sorted(x for x in ledger._released.items() if x[0][1] in live),
-        sorted(x for x in ledger._received if x[1] in live),
-        sorted(x for x in ledger._failed if x[1] in live),
-        sorted((k, sorted(v)) for k, v in ledger._owed.items() if v or k in live),
-        sorted(x for x in ledger._freed if x[0] in live),
-    ))  # fmt: skip
+    return repr(
+        (
+            [
+                (k, pr.finished_prefill, sorted(pr.final.items()))
+                for k, pr in sorted(c.requests.items())
+                if k in live
+            ],
+            sorted(n.settled),
+            sorted(x for x in ledger._released.items() if x[0][1] in live),
+            sorted(x for x in ledger._received if x[1] in live),
+            sorted(x for x in ledger._failed if x[1] in live),
+            sorted((k, sorted(v)) for k, v in ledger._owed.items() if v or k in live),
+            sorted(x for x in ledger._freed if x[0] in live),
+        )
+    )
 
 
 # --- the search ---------------------------------------------------------------------------------

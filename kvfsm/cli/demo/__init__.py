@@ -24,22 +24,28 @@ def add_command(commands: Commands) -> None:
     """`kvfsm demo`: P and D engines moving KV, every byte checked."""
     demo = commands.add_parser("demo", help="move KV between a P and a D engine, bytes checked")
     demo.add_argument(
-        "--fabric", choices=["nixl", "sim"], default="nixl",
+        "--fabric",
+        choices=["nixl", "sim"],
+        default="nixl",
         help="nixl: P and D processes over real NIXL (default); sim: the simulated fabric",
-    )  # fmt: skip
+    )
     demo.add_argument(
-        "--mode", choices=["push", "pull"], default="push",
+        "--mode",
+        choices=["push", "pull"],
+        default="push",
         help="push: P WRITEs into D's blocks; pull: D READs P's",
-    )  # fmt: skip
+    )
     demo.add_argument("--requests", type=int, default=200, help="requests to move")
     demo.add_argument("--seed", type=int, default=0, help="seed of the requests' sizes and blocks")
     demo.add_argument("--p-tp", type=int, default=1, help="P's TP size (one process per rank)")
     demo.add_argument("--d-tp", type=int, default=1, help="D's TP size (one process per rank)")
     demo.add_argument(
-        "--model", choices=sorted(MODELS), default=None,
+        "--model",
+        choices=sorted(MODELS),
+        default=None,
         help="KV geometry of the real fabric's engines (deepseek-v2-lite: replicated MLA KV;"
         " default: llama3-8b)",
-    )  # fmt: skip
+    )
     demo.add_argument(
         "--p-block-size", type=int, default=None, help="tokens per P block (default: the model's)"
     )
@@ -50,14 +56,19 @@ def add_command(commands: Commands) -> None:
         help="tokens per D block, a multiple of P's (default: P's)",
     )
     demo.add_argument(
-        "--memory-mib", type=float, default=None,
+        "--memory-mib",
+        type=float,
+        default=None,
         help=f"KV cache per rank (real fabric; default {_MEMORY_MIB:g})",
-    )  # fmt: skip
+    )
     demo.add_argument(
-        "--corrupt", type=int, default=None, metavar="N",
+        "--corrupt",
+        type=int,
+        default=None,
+        metavar="N",
         help="negative control (real fabric): flip one byte of P's KV in N requests; the run "
         "must then report the mismatch and exit 1",
-    )  # fmt: skip
+    )
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     demo.set_defaults(run=_execute)
 
@@ -101,15 +112,29 @@ def _execute(args: argparse.Namespace) -> int:
         with progress_bar(args.requests, enabled=not args.json) as advance:
             if args.fabric == "nixl":
                 report = run_nixl_demo(
-                    args.mode, args.requests, seed=args.seed, p_tp=args.p_tp, d_tp=args.d_tp,
-                    model=args.model, p_block_size=p_bs, d_block_size=d_bs,
-                    memory_mib=args.memory_mib, progress=advance, corrupt=args.corrupt,
-                )  # fmt: skip
+                    args.mode,
+                    args.requests,
+                    seed=args.seed,
+                    p_tp=args.p_tp,
+                    d_tp=args.d_tp,
+                    model=args.model,
+                    p_block_size=p_bs,
+                    d_block_size=d_bs,
+                    memory_mib=args.memory_mib,
+                    progress=advance,
+                    corrupt=args.corrupt,
+                )
             else:
                 report = run_sim_demo(
-                    args.mode, args.requests, seed=args.seed, p_tp=args.p_tp, d_tp=args.d_tp,
-                    p_block_size=p_bs, d_block_size=d_bs, progress=advance,
-                )  # fmt: skip
+                    args.mode,
+                    args.requests,
+                    seed=args.seed,
+                    p_tp=args.p_tp,
+                    d_tp=args.d_tp,
+                    p_block_size=p_bs,
+                    d_block_size=d_bs,
+                    progress=advance,
+                )
     except ValueError as exc:  # a geometry the engines cannot run (TP not splitting heads, ...)
         print(f"kvfsm demo: {exc}", file=sys.stderr)
         return 2

@@ -66,11 +66,20 @@ class Tally:
 
 
 def run_nixl_demo(
-    mode: Mode, requests: int, *, seed: int = 0, p_tp: int = 1, d_tp: int = 1,
-    model: str = "llama3-8b", p_block_size: int = 16, d_block_size: int = 16,
-    memory_mib: float = 256, max_blocks: int = 8, progress: Callable[[int], None] | None = None,
+    mode: Mode,
+    requests: int,
+    *,
+    seed: int = 0,
+    p_tp: int = 1,
+    d_tp: int = 1,
+    model: str = "llama3-8b",
+    p_block_size: int = 16,
+    d_block_size: int = 16,
+    memory_mib: float = 256,
+    max_blocks: int = 8,
+    progress: Callable[[int], None] | None = None,
     corrupt: int = 0,
-) -> DemoReport:  # fmt: skip
+) -> DemoReport:
     """Run `requests` requests of random length (up to `max_blocks` of the larger block size)
     through P (`p_tp` rank processes) and D (`d_tp`), each rank's KV cache holding `model`'s
     share within `memory_mib`. `corrupt`: flip one byte of P rank 0's KV in that many requests
@@ -93,9 +102,10 @@ def run_nixl_demo(
             file=sys.stderr,
         )
     require_memory(
-        sum(caches), f"{len(caches)} rank KV caches of {max(caches) / 2**30:,.2f} GiB at most",
+        sum(caches),
+        f"{len(caches)} rank KV caches of {max(caches) / 2**30:,.2f} GiB at most",
         "a smaller --memory-mib",
-    )  # fmt: skip
+    )
     hash_ = compat_hash(
         wire_version=WIRE_VERSION,
         mode=mode,
@@ -109,10 +119,17 @@ def run_nixl_demo(
     ranks = RankProcesses()
     for side, tp, peer_tp in (("P", p_tp, d_tp), ("D", d_tp, p_tp)):
         for rank in range(tp):
-            ranks.start(RankSpec(
-                side, mode, geometry[side].for_rank(rank), peer_tp, p_block_size, hash_,
-                secret=secret,
-            ))  # fmt: skip
+            ranks.start(
+                RankSpec(
+                    side,
+                    mode,
+                    geometry[side].for_rank(rank),
+                    peer_tp,
+                    p_block_size,
+                    hash_,
+                    secret=secret,
+                )
+            )
     tally = Tally()
     try:
         ranks.connect(ranks.await_ready())
@@ -127,8 +144,15 @@ def run_nixl_demo(
 class Driver:
     """Both serving engines' schedulers: allocate, admit on every rank, collect, free."""
 
-    def __init__(self, seed: int, geometry: dict[str, Any], max_blocks: int,
-                 ranks: RankProcesses, tally: Tally, corrupt: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        seed: int,
+        geometry: dict[str, Any],
+        max_blocks: int,
+        ranks: RankProcesses,
+        tally: Tally,
+        corrupt: int,
+    ) -> None:
         self.rng = random.Random(seed)
         self.corrupt = corrupt  # the first this many requests get one wrong byte on P
         self.processes, self.tally = ranks, tally
@@ -179,9 +203,16 @@ class Driver:
         return True
 
 
-def _drive(requests: int, seed: int, geometry: dict[str, Any], max_blocks: int,
-           ranks: RankProcesses, tally: Tally,
-           progress: Callable[[int], None] | None, corrupt: int) -> int:  # fmt: skip
+def _drive(
+    requests: int,
+    seed: int,
+    geometry: dict[str, Any],
+    max_blocks: int,
+    ranks: RankProcesses,
+    tally: Tally,
+    progress: Callable[[int], None] | None,
+    corrupt: int,
+) -> int:
     """Admit and collect until every request ended on every rank; returns how many did not."""
     driver = Driver(seed, geometry, max_blocks, ranks, tally, corrupt)
     deadline = time.monotonic() + max(120.0, requests * 0.5)
@@ -227,8 +258,16 @@ def _collect(
     return None
 
 
-def _report(mode: Mode, requests: int, geometry: dict[str, Any], model: str, tally: Tally,
-            left: int, wall: float, cpu_s: float) -> DemoReport:  # fmt: skip
+def _report(
+    mode: Mode,
+    requests: int,
+    geometry: dict[str, Any],
+    model: str,
+    tally: Tally,
+    left: int,
+    wall: float,
+    cpu_s: float,
+) -> DemoReport:
     outcomes = Counter(worst_state(states) for states in tally.d_outcomes.values())
     violations = [f"{left} requests never ended"] if left else []
     violations += [f"{tally.wrong} bytes differ from what P wrote"] if tally.wrong else []
@@ -239,15 +278,32 @@ def _report(mode: Mode, requests: int, geometry: dict[str, Any], model: str, tal
         else (0.0, 0.0)
     )
     return DemoReport(
-        mode=mode, fabric="nixl", requests=requests, done=outcomes["done"],
-        failed=outcomes["failed"], expired=outcomes["expired"], aborted=outcomes["aborted"],
+        mode=mode,
+        fabric="nixl",
+        requests=requests,
+        done=outcomes["done"],
+        failed=outcomes["failed"],
+        expired=outcomes["expired"],
+        aborted=outcomes["aborted"],
         bytes=tally.compared,
-        verified=not tally.wrong and tally.compared > 0 and tally.received == outcomes["done"] * geometry["D"].tp_size,
-        violations=violations, p_tp=geometry["P"].tp_size, d_tp=geometry["D"].tp_size,
-        finals=dict(tally.states), time_in_state_ms=time_in_state(tally.histories),
-        counters=dict(tally.counters), simulated_s=0.0, cpu_s=cpu_s, wall_s=round(wall, 3),
+        verified=not tally.wrong
+        and tally.compared > 0
+        and tally.received == outcomes["done"] * geometry["D"].tp_size,
+        violations=violations,
+        p_tp=geometry["P"].tp_size,
+        d_tp=geometry["D"].tp_size,
+        finals=dict(tally.states),
+        time_in_state_ms=time_in_state(tally.histories),
+        counters=dict(tally.counters),
+        simulated_s=0.0,
+        cpu_s=cpu_s,
+        wall_s=round(wall, 3),
         gbps=round(tally.compared / wall / 1e9, 3) if wall else 0.0,
-        handoff_ms_p50=round(p50, 3), handoff_ms_p99=round(p99, 3), model=model,
-        p_block_size=geometry["P"].block_size, d_block_size=geometry["D"].block_size,
-        descriptors=tally.descriptors, fabric_descriptors=tally.fabric_descriptors,
-    )  # fmt: skip
+        handoff_ms_p50=round(p50, 3),
+        handoff_ms_p99=round(p99, 3),
+        model=model,
+        p_block_size=geometry["P"].block_size,
+        d_block_size=geometry["D"].block_size,
+        descriptors=tally.descriptors,
+        fabric_descriptors=tally.fabric_descriptors,
+    )

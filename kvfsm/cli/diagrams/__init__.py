@@ -34,9 +34,12 @@ def add_command(commands: Commands) -> None:
     diagrams.add_argument("--out", type=Path, default=_DIAGRAMS, help="the folder to write")
     diagrams.add_argument("--check", action="store_true", help="fail if they are stale")
     diagrams.add_argument(
-        "--svg", type=Path, default=None, metavar="DIR",
+        "--svg",
+        type=Path,
+        default=None,
+        metavar="DIR",
         help="also render each model as DIR/NAME.svg (needs Graphviz; SVGs are not committed)",
-    )  # fmt: skip
+    )
     diagrams.set_defaults(run=_execute)
 
 

@@ -34,9 +34,11 @@ def add_command(commands: Commands) -> None:
     )
     scenario.add_argument("files", type=Path, nargs="+", metavar="FILE.toml")
     scenario.add_argument(
-        "--fabric", choices=["sim", "nixl"], default="sim",
+        "--fabric",
+        choices=["sim", "nixl"],
+        default="sim",
         help="sim: the simulated fabric (every fault); nixl: real NIXL agents in this process",
-    )  # fmt: skip
+    )
     scenario.add_argument("--json", action="store_true", help="print one JSON object per file")
     scenario.set_defaults(run=_execute)
 
@@ -59,7 +61,7 @@ def _execute(args: argparse.Namespace) -> int:
                     f"kvfsm scenario: {scenario.name}: skipped: it runs on"
                     f" {', '.join(scenario.fabrics)} (its `fabrics`; default sim), not {args.fabric}",
                     file=sys.stderr,
-                )  # fmt: skip
+                )
                 continue
             try:
                 reports.append(run_scenario(scenario, args.fabric))

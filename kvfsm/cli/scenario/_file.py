@@ -52,16 +52,40 @@ _States = str | list[str]
 Side = Literal["P", "D"]
 Fabric = Literal["sim", "nixl"]
 FaultKind = Literal[
-    "drop", "duplicate", "delay", "hold", "release", "reorder",  # notifications to `agent`
-    "fail_post", "err", "stuck", "lag",  # `agent`'s next transfer
-    "kill", "cut", "revive",  # `agent`'s process: dies (reset), goes silent, is replaced
-    "handshake_fail", "handshake_hang",  # the next handshake with `agent`
+    "drop",
+    "duplicate",
+    "delay",
+    "hold",
+    "release",
+    "reorder",  # notifications to `agent`
+    "fail_post",
+    "err",
+    "stuck",
+    "lag",  # `agent`'s next transfer
+    "kill",
+    "cut",
+    "revive",  # `agent`'s process: dies (reset), goes silent, is replaced
+    "handshake_fail",
+    "handshake_hang",  # the next handshake with `agent`
     "garbage",  # a malformed notification reaches `agent`
-]  # fmt: skip
+]
 SIM_ONLY_FAULTS = frozenset(
-    {"drop", "duplicate", "delay", "hold", "release", "reorder", "fail_post", "err", "stuck",
-     "lag", "kill", "cut", "revive"}
-)  # fmt: skip
+    {
+        "drop",
+        "duplicate",
+        "delay",
+        "hold",
+        "release",
+        "reorder",
+        "fail_post",
+        "err",
+        "stuck",
+        "lag",
+        "kill",
+        "cut",
+        "revive",
+    }
+)
 """Faults only the simulated fabric can inject (real NIXL cannot be told to lose a message)."""
 
 

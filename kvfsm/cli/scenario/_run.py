@@ -102,11 +102,18 @@ class _Run:
         )
         try:
             self.cluster = Cluster(
-                scenario.mode, seed=scenario.seed, faults=SimFaults(**scenario.network),
-                config=core_config(scenario), num_blocks=p.num_blocks, geometry=geometry,
-                d_block_size=d.block_size, p_tp=p.tp, d_tp=d.tp, fabric=fabric,
+                scenario.mode,
+                seed=scenario.seed,
+                faults=SimFaults(**scenario.network),
+                config=core_config(scenario),
+                num_blocks=p.num_blocks,
+                geometry=geometry,
+                d_block_size=d.block_size,
+                p_tp=p.tp,
+                d_tp=d.tp,
+                fabric=fabric,
                 clock_skew={"P": p.clock_skew, "D": d.clock_skew},
-            )  # fmt: skip
+            )
         except ValueError as exc:  # a geometry the engines cannot run (TP not splitting heads)
             raise ScenarioError(f"{scenario.name}: engines: {exc}") from None
         self.finished: dict[tuple[str, str], Finished] = {}
@@ -260,11 +267,18 @@ class _Run:
         }
         s, violations = self.s, list(dict.fromkeys(found))
         return ScenarioReport(
-            name=s.name, description=s.description, reference=s.reference, mode=s.mode,
-            fabric=self.fabric, requests={k: self._outcome(k) for k in sorted(c.requests)},
-            violations=violations, unmet=self.unmet, counters=counters,
-            elapsed_s=round(c.now - self.start, 6), passed=not violations and not self.unmet,
-        )  # fmt: skip
+            name=s.name,
+            description=s.description,
+            reference=s.reference,
+            mode=s.mode,
+            fabric=self.fabric,
+            requests={k: self._outcome(k) for k in sorted(c.requests)},
+            violations=violations,
+            unmet=self.unmet,
+            counters=counters,
+            elapsed_s=round(c.now - self.start, 6),
+            passed=not violations and not self.unmet,
+        )
 
     def _outcome(self, key: str) -> RequestOutcome:
         pr = self.cluster.requests[key]
