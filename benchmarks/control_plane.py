@@ -1,7 +1,7 @@
 """CPU per request lifecycle, P and D together, with N requests in flight (a benchmark, not a test).
 
 Two measurements, each in waves of N requests admitted at once and run to `done` (see
-kvfsm/cli/bench/_control.py): the sans-I/O core alone, and two engines on `SimFabric`. Prints a table
+kvfsm/bench/_control.py): the sans-I/O core alone, and two engines on `SimFabric`. Prints a table
 (and `--json`); figures are CPU microseconds per lifecycle, best of `--repeat`, and the bytes the
 two cores hold per request while N wait mid-transfer (matched, posted, not completed).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvfsm.cli.bench._control import bench, memory_per_request
+from kvfsm.bench import control_bench, memory_per_request
 
 
 def main() -> None:
@@ -28,7 +28,7 @@ def main() -> None:
     results: dict[str, dict[int, dict[str, float]]] = {}
     for mode in ("push", "pull"):
         results[mode] = {
-            n: bench(mode, n, max(args.total, n), args.repeat, conformance=args.conformance)  # type: ignore[arg-type]
+            n: control_bench(mode, n, max(args.total, n), args.repeat, conformance=args.conformance)  # type: ignore[arg-type]
             for n in args.in_flight
         }
         for n, figures in results[mode].items():

@@ -26,12 +26,12 @@ from typing import Any, Literal, TypeVar
 
 import numpy as np
 
-from kvfsm.cli._presets import DTYPES, model_geometry
-from kvfsm.cli._render import figures_table
-from kvfsm.cli.demo._nixl import Driver, Tally
+from kvfsm.cli.demo import Driver, Tally
+from kvfsm.cli.render import figures_table
 from kvfsm.core import Event, Mode
 from kvfsm.fabric import UCX_ERROR_HANDLING_DEFAULT, UcxErrorHandling
 from kvfsm.harness import RankProcesses, RankSpec, rank_main
+from kvfsm.layout import DTYPES, model_geometry
 from kvfsm.runtime import CallerOutput, Engine
 from kvfsm.sidechannel import compat_hash
 from kvfsm.wire import WIRE_VERSION

@@ -30,8 +30,7 @@ from typing import Any
 
 from profile_engine import contiguous_plan  # beside this script
 
-from kvfsm.cli.bench._engine import run_engine_variant
-from kvfsm.cli.bench._raw import BenchPlan, run_variant
+from kvfsm.bench import BenchPlan, run_engine_variant, run_variant
 from kvfsm.fabric import NixlFabric
 
 _ENV = "KVFSM_NIXL_CALLS_DIR"

@@ -14,8 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvfsm.cli.bench._control import bench as control_bench
-from kvfsm.cli.bench._run import BenchOptions, run_bench
+from kvfsm.bench import BenchOptions, control_bench, run_bench
 
 _VARIANTS = {
     "raw_vllm_style": "a1 raw NIXL, vLLM's way",

@@ -17,8 +17,7 @@ import argparse
 import json
 from collections import Counter
 
-from kvfsm.cli.bench._engine import run_engine_variant
-from kvfsm.cli.bench._raw import BenchPlan, plan_requests
+from kvfsm.bench import BenchPlan, plan_requests, run_engine_variant
 
 _BLOCK_BYTES, _BLOCKS = 16384, 16
 

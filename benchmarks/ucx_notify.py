@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvfsm.cli._render import figures_table
+from kvfsm.cli.render import figures_table
 from kvfsm.fabric import UCX_ERROR_HANDLING_MODES, UcxErrorHandling
 
 __all__ = ["XFER_BYTES", "bench_notifications", "measure_mode"]

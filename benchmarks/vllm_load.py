@@ -1,6 +1,6 @@
 """Disaggregated serving under load: kvfsm against vLLM's NixlConnector, through the proxy.
 
-For each connector, `vllm serve` P and D engines (`kvfsm.harness.serve`, a seeded tiny Llama) and
+For each connector, `vllm serve` P and D engines (`kvfsm.serving.serve`, a seeded tiny Llama) and
 the project's proxy; a warm-up, then for each concurrency (1, 4, 16 requests in flight) a batch
 of `--requests` prompts of 64-400 tokens, sent by a client keeping that many in flight. D
 generates one token, so per request:
@@ -31,11 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from vllm_pd import make_prompts
 
-from kvfsm.harness.proxy import Proxy
-from kvfsm.harness.serve import Served, complete, kvfsm_transfer_config
-from kvfsm.harness.vllm_pd import make_tiny_llama
+from kvfsm.harness.vllm_pd import make_prompts, make_tiny_llama
+from kvfsm.serving.proxy import Proxy
+from kvfsm.serving.serve import Served, complete, kvfsm_transfer_config
 from kvfsm.testing import free_port
 
 NAMES = ("nixl_pull", "nixl_push", "kvfsm_pull", "kvfsm_push")

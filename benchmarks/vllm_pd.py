@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import tempfile
 import time
@@ -32,7 +31,13 @@ from typing import Any
 
 import numpy as np
 
-from kvfsm.harness.vllm_pd import PdPair, PdRequestResult, make_tiny_llama, run_baseline
+from kvfsm.harness.vllm_pd import (
+    PdPair,
+    PdRequestResult,
+    make_prompts,
+    make_tiny_llama,
+    run_baseline,
+)
 from kvfsm.testing import free_port
 
 Setup = dict[str, Any]
@@ -88,12 +93,6 @@ SETUPS: dict[str, Callable[[], Setup]] = {
     "kvfsm_pull": _kvfsm("pull"),
     "kvfsm_push": _kvfsm("push"),
 }
-
-
-def make_prompts(n: int, seed: int, lo: int = 64, hi: int = 400) -> list[list[int]]:
-    """``n`` prompts of random tokens, lengths uniform in ``[lo, hi]``."""
-    rng = random.Random(seed)
-    return [[rng.randrange(1, 1024) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
 def _ms(values: Sequence[float | None], q: float) -> float | None:

@@ -38,7 +38,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     """On an xdist worker: hand the transitions this process took to the controller."""
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:
-        from kvfsm.testing import COVERAGE
+        from kvfsm.sim import COVERAGE
 
         workeroutput["coverage"] = [[*key, n] for key, n in COVERAGE.items()]
 
@@ -46,7 +46,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node: object, error: object) -> None:
     """On the xdist controller: add a finished worker's transitions to this process's."""
-    from kvfsm.testing import COVERAGE
+    from kvfsm.sim import COVERAGE
 
     for *key, n in getattr(node, "workeroutput", {}).get("coverage", []):
         COVERAGE[tuple(key)] += n
@@ -54,7 +54,7 @@ def pytest_testnodedown(node: object, error: object) -> None:
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """Print which model transitions the run never took (every worker's, under xdist)."""
-    from kvfsm.testing import COVERAGE, untaken_transitions
+    from kvfsm.sim import COVERAGE, untaken_transitions
 
     if not COVERAGE:
         return

@@ -199,7 +199,7 @@ def close_rank(rank: Rank, loop: RankLoop) -> dict[str, int]:
 
 def _serve(spec: RankSpec, conn: Connection, send: _Sender, make_loop: LoopFactory | None) -> None:
     from kvfsm.runtime import EngineLoop, KvCache
-    from kvfsm.testing import request_seed, write_request
+    from kvfsm.sim import request_seed, write_request
 
     is_p = spec.side == "P"
     g = spec.geometry
@@ -335,7 +335,7 @@ class _Reporter:
     def _run(self) -> None:
         from kvfsm.core import ReleaseBlocks, ReportFailed, ReportReceived
         from kvfsm.runtime import RequestTrace
-        from kvfsm.testing import check_request, request_seed
+        from kvfsm.sim import check_request, request_seed
 
         while (item := self._queue.get()) is not None:
             out, at = item

@@ -65,7 +65,6 @@ class EngineSpec:
     name: str
     model_dir: str
     log_path: str
-    repo_root: str
     role: str = "single"
     kv_transfer_config: dict[str, Any] | None = None
     env: dict[str, str] = field(default_factory=dict)
@@ -75,7 +74,7 @@ class EngineSpec:
 
 
 def _prepare_process(spec: EngineSpec) -> None:
-    """Own process group, log file on fds 1 and 2, environment and ``sys.path`` for vLLM."""
+    """Own process group, log file on fds 1 and 2, environment for vLLM."""
     # Already a group leader (or not allowed): the parent then falls back to kill().
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
@@ -84,14 +83,6 @@ def _prepare_process(spec: EngineSpec) -> None:
     os.dup2(log_fd, 2)
     os.close(log_fd)
     env = {**_BASE_ENV, **spec.env}
-    # The repo root first, so that ``kv_connector_module_path`` can name a module under tests/;
-    # pytest may have put tests/ itself on sys.path, where a tests/vllm folder would shadow vLLM.
-    tests_dir = str(Path(spec.repo_root) / "tests")
-    sys.path[:] = [p for p in sys.path if p and not p.startswith(tests_dir)]
-    sys.path.insert(0, spec.repo_root)
-    old = os.environ.get("PYTHONPATH", "")
-    kept = [p for p in old.split(os.pathsep) if p and not p.startswith(tests_dir)]
-    env["PYTHONPATH"] = os.pathsep.join([spec.repo_root, *kept])
     os.environ.update(env)
     print(f"[harness] {spec.name} ({spec.role}) pid {os.getpid()} env {env}", flush=True)
 

@@ -28,6 +28,7 @@ children, never in this process::
 from __future__ import annotations
 
 import os
+import random
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -47,13 +48,13 @@ from kvfsm.harness._vllm_proc import (
 __all__ = [
     "PROMPT_SOURCES",
     "P_REQUEST_PARAMS",
-    "REPO_ROOT",
     "EngineError",
     "EngineProcess",
     "EngineSpec",
     "PdPair",
     "PdRequestResult",
     "PdResult",
+    "make_prompts",
     "make_tiny_hybrid",
     "make_tiny_llama",
     "run_baseline",
@@ -61,7 +62,6 @@ __all__ = [
 ]
 
 #: The repository root (the folder holding ``kvfsm/`` and ``tests/``), put on children's path.
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 #: What vLLM's toy proxy sends to P as ``kv_transfer_params``, with ``max_tokens=1``.
 P_REQUEST_PARAMS: dict[str, Any] = {
@@ -74,6 +74,12 @@ P_REQUEST_PARAMS: dict[str, Any] = {
 }
 
 _START_TIMEOUT_S = 300.0
+
+
+def make_prompts(n: int, seed: int, lo: int = 64, hi: int = 400) -> list[list[int]]:
+    """``n`` prompts of random tokens, lengths uniform in ``[lo, hi]``."""
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 1024) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
 def make_tiny_llama(path: Path, seed: int = 0, *, sliding_window: int | None = None) -> Path:
@@ -241,7 +247,6 @@ def _spec(
         name=name,
         model_dir=str(model_dir),
         log_path=str(log_dir / f"{name}.log"),
-        repo_root=str(REPO_ROOT),
         role=role,
         kv_transfer_config=None if kv_config is None else dict(kv_config),
         env=dict(env or {}),

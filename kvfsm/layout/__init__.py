@@ -6,6 +6,7 @@
 * `block_size_factors`, `logical_to_kernel`, `pair_units`, `align_tail`: different block sizes on
   the two sides, and a D prefix-cache hit.
 * `coalesce`: fewer, larger descriptors where both sides are contiguous.
+* `MODELS`, `model_geometry`: real models' KV geometries, for the demo and the benchmarks.
 """
 
 from kvfsm.layout._blocksize import (
@@ -17,6 +18,7 @@ from kvfsm.layout._blocksize import (
 from kvfsm.layout._coalesce import Coalesced, coalesce
 from kvfsm.layout._geometry import KvGeometry
 from kvfsm.layout._ids import Int64Array, id_bounds
+from kvfsm.layout._models import DTYPES, MAX_BLOCKS, MIN_BLOCKS, MODELS, model_geometry
 from kvfsm.layout._regions import BlockSlice, RegionLayout, SliceRows, slice_ids, slice_rows
 from kvfsm.layout._tp import (
     RankPairing,
@@ -29,6 +31,10 @@ from kvfsm.layout._tp import (
 )
 
 __all__ = [
+    "DTYPES",
+    "MAX_BLOCKS",
+    "MIN_BLOCKS",
+    "MODELS",
     "BlockSlice",
     "Coalesced",
     "Int64Array",
@@ -44,6 +50,7 @@ __all__ = [
     "id_bounds",
     "local_descriptors",
     "logical_to_kernel",
+    "model_geometry",
     "pair_units",
     "partner_ranks",
     "plan_pairings",

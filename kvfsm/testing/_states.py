@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvfsm.core import CommandFailed
 from kvfsm.lifecycle import load
-from kvfsm.testing._cluster import Cluster, PairedRequest
+from kvfsm.sim import Cluster, PairedRequest
 
 __all__ = ["abandon_in", "drive_to", "live_states"]
 

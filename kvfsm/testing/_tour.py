@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from kvfsm.core import Mode, PrefillFinished
 from kvfsm.fabric import SimFaults
-from kvfsm.testing._cluster import Cluster
+from kvfsm.sim import Cluster
 from kvfsm.testing._states import abandon_in, live_states
 
 __all__ = ["INTERLEAVINGS", "Interleaving", "run_tour"]

@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvfsm.core import Mode
 from kvfsm.fabric import SimFaults
 from kvfsm.layout import KvGeometry
-from kvfsm.testing._cluster import SMALL_GEOMETRY, Cluster
+from kvfsm.sim import SMALL_GEOMETRY, Cluster
 from kvfsm.wire import SharedSecret
 
 __all__ = ["LifecycleMachine", "machine_for"]

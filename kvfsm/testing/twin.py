@@ -16,8 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvfsm.core import CoreConfig, Mode, ReleaseBlocks, ReportFailed, ReportReceived
 from kvfsm.fabric import SimFaults, tcp_late_delivery_s
-from kvfsm.testing._cluster import FAST_CONFIG, SMALL_GEOMETRY, Cluster
-from kvfsm.testing._lockstep import LockstepCluster
+from kvfsm.sim import FAST_CONFIG, SMALL_GEOMETRY, Cluster, LockstepCluster
 from kvfsm.wire import SharedSecret
 
 __all__ = ["TwinMachine", "twin_for"]

@@ -21,7 +21,7 @@ from strategies import mutated_bytes, texts, wire_messages
 from kvfsm.core import MAX_PEERS, Admit, Identity, NotificationReceived, Producer, Tick
 from kvfsm.fabric import SimFaults
 from kvfsm.runtime import Engine
-from kvfsm.testing import FAST_CONFIG, Cluster
+from kvfsm.sim import FAST_CONFIG, Cluster
 from kvfsm.wire import (
     Cancel,
     Heartbeat,

@@ -28,7 +28,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvfsm.cli._presets import DTYPES, model_geometry
 from kvfsm.core import CoreConfig, Mode
 from kvfsm.fabric import tcp_late_delivery_s
 from kvfsm.harness import (
@@ -41,6 +40,7 @@ from kvfsm.harness import (
     rank_main,
     ucx_env,
 )
+from kvfsm.layout import DTYPES, model_geometry
 from kvfsm.sidechannel import compat_hash
 from kvfsm.wire import WIRE_VERSION
 

@@ -28,7 +28,7 @@ from kvfsm.fabric import NixlFabric
 from kvfsm.harness import Rank, open_rank
 from kvfsm.layout import KvGeometry
 from kvfsm.runtime import CallerOutput, KvCache
-from kvfsm.testing import FAST_CONFIG, check_request, request_seed, write_request
+from kvfsm.sim import FAST_CONFIG, check_request, request_seed, write_request
 from kvfsm.wire import Registration, encode, pack_blocks
 
 _HASH = "auth-test"

@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from kvfsm.bench import HOPS, BenchPlan, buffer_of, check_sink, churned_free_queue, plan_requests
 from kvfsm.cli import main
-from kvfsm.cli._render import bench_table
-from kvfsm.cli.bench._engine import HOPS
-from kvfsm.cli.bench._raw import BenchPlan, buffer_of, check_sink, churned_free_queue, plan_requests
+from kvfsm.cli.render import bench_table
 
 _SMALL = ["--block-kib", "4", "--blocks", "64", "--regions", "2", "--requests", "8"]
 _SMALL += ["--blocks-per-request", "4", "--control-in-flight", "5", "50", "--control-total", "100"]

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from kvfsm.core import CoreConfig, Mode
-from kvfsm.testing import Cluster
+from kvfsm.sim import Cluster
 
 # Deadlines long enough for a loaded machine, short enough that a lease runs out in a test.
 _CONFIG = CoreConfig(

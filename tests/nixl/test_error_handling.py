@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvfsm.cli._presets import DTYPES, model_geometry
 from kvfsm.core import CoreConfig
 from kvfsm.fabric import (
     UCX_ERROR_HANDLING_DEFAULT,
@@ -22,6 +21,7 @@ from kvfsm.fabric import (
     UcxErrorHandling,
 )
 from kvfsm.harness import RankProcesses, RankSpec
+from kvfsm.layout import DTYPES, model_geometry
 from kvfsm.sidechannel import compat_hash
 from kvfsm.wire import WIRE_VERSION
 

@@ -31,7 +31,8 @@ from kvfsm.fabric import NixlFabric
 from kvfsm.layout import KvGeometry
 from kvfsm.runtime import Engine, KvCache
 from kvfsm.sidechannel import HandshakeListener, HandshakePayload, ZmqDirectory, payload_of
-from kvfsm.testing import check_request, free_port, request_seed, write_request
+from kvfsm.sim import check_request, request_seed, write_request
+from kvfsm.testing import free_port
 
 _HASH, _WIRE = "test-hash", 1
 _GEOMETRY = KvGeometry(

@@ -13,7 +13,7 @@ from kvfsm.core import Consumer, Identity
 from kvfsm.fabric import TCP_DRAIN_SLACK_S, TCP_USER_TIMEOUT_DEFAULT, NixlFabric
 from kvfsm.runtime import Engine, KvCache
 from kvfsm.sidechannel import LocalDirectory
-from kvfsm.testing import FAST_CONFIG, SMALL_GEOMETRY
+from kvfsm.sim import FAST_CONFIG, SMALL_GEOMETRY
 
 
 @pytest.fixture

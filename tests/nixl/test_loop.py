@@ -35,7 +35,7 @@ from kvfsm.layout import KvGeometry
 from kvfsm.lifecycle import LocalProtocolError
 from kvfsm.runtime import CallerOutput, Engine, EngineLoop, KvCache, RequestTrace
 from kvfsm.sidechannel import HandshakeListener, LocalDirectory, ZmqDirectory, payload_of
-from kvfsm.testing import check_request, request_seed, write_request
+from kvfsm.sim import check_request, request_seed, write_request
 
 _GEOMETRY = KvGeometry(
     num_layers=2, num_kv_heads=2, head_dim=32, dtype_bytes=2, block_size=4, num_blocks=64

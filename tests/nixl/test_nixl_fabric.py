@@ -24,7 +24,7 @@ from kvfsm.fabric import FabricError, NixlFabric, NotFoundError
 from kvfsm.layout import KvGeometry
 from kvfsm.runtime import Engine, KvCache, RequestTrace
 from kvfsm.sidechannel import LocalDirectory
-from kvfsm.testing import PatternCheck, check_request, request_seed, write_request
+from kvfsm.sim import PatternCheck, check_request, request_seed, write_request
 
 _names = itertools.count()
 _TIMEOUT = 20.0  # the first UCX connection can be slow; every wait here is bounded

@@ -7,7 +7,7 @@ import time
 
 import msgspec
 
-from kvfsm.testing import FAST_CONFIG, Cluster
+from kvfsm.sim import FAST_CONFIG, Cluster
 
 # Longer than a request's life on a loaded machine: the first check sees the agents still loaded.
 _CONFIG = msgspec.structs.replace(FAST_CONFIG, peer_idle_ttl_s=2.0)

@@ -11,7 +11,7 @@ import pytest
 
 from kvfsm.core import CoreConfig, Mode
 from kvfsm.fabric import SimFaults
-from kvfsm.testing import Cluster
+from kvfsm.sim import Cluster
 from kvfsm.wire import SharedSecret
 
 IN_FLIGHT = 1000

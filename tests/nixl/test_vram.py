@@ -22,7 +22,7 @@ from kvfsm.fabric import NixlFabric
 from kvfsm.layout import KvGeometry
 from kvfsm.runtime import Engine, KvCache
 from kvfsm.sidechannel import LocalDirectory
-from kvfsm.testing import check_request, request_seed, write_request
+from kvfsm.sim import check_request, request_seed, write_request
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
 

@@ -1,5 +1,5 @@
 """The stateful suite: P and D engines on SimFabric under every event and fault, with the six
-safety properties checked after every step (see kvfsm.testing)."""
+safety properties checked after every step (see kvfsm.sim)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from kvfsm.core import Mode
 from kvfsm.fabric import SimFaults
-from kvfsm.testing import SMALL_GEOMETRY, SMALL_MLA_GEOMETRY, run_tour, untaken_transitions
+from kvfsm.sim import SMALL_GEOMETRY, SMALL_MLA_GEOMETRY, untaken_transitions
+from kvfsm.testing import run_tour
 from kvfsm.testing.stateful import LifecycleMachine, machine_for
 from kvfsm.wire import SharedSecret
 

@@ -12,9 +12,8 @@ from typing import Any
 
 import pytest
 
-import kvfsm.cli.bench._run as bench
-from kvfsm.cli.bench._engine import HOPS, handoff_hops
-from kvfsm.cli.bench._raw import BenchPlan
+import kvfsm.bench._run as bench
+from kvfsm.bench import HOPS, BenchPlan, handoff_hops
 
 # Wall seconds of each variant's run, round by round.
 _WALLS = {"raw": [1.0, 4.0, 2.0], "engine": [2.0, 2.5, 8.0]}

@@ -9,10 +9,9 @@ import os
 
 import pytest
 
+from kvfsm.bench import recv_bounded
 from kvfsm.cli import main
-from kvfsm.cli._host import available_memory, require_memory
-from kvfsm.cli.bench._raw import recv_bounded
-from kvfsm.harness import RankProcesses
+from kvfsm.harness import RankProcesses, available_memory, require_memory
 
 
 def test_the_host_reports_its_available_memory() -> None:

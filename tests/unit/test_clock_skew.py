@@ -9,7 +9,7 @@ import pytest
 
 from kvfsm.core import Mode, Side
 from kvfsm.sidechannel import clock_offset
-from kvfsm.testing import FAST_CONFIG, Cluster
+from kvfsm.sim import FAST_CONFIG, Cluster
 
 SKEWS = [{"P": 3e5}, {"D": 3e5}, {"P": -50.0}, {"D": -7.5}]
 

@@ -29,7 +29,7 @@ from kvfsm.core import (
     Side,
 )
 from kvfsm.runtime import Engine, EngineLoop
-from kvfsm.testing import Cluster
+from kvfsm.sim import Cluster
 
 
 def _plant(

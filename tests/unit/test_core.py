@@ -35,7 +35,7 @@ from kvfsm.core import (
     Tick,
 )
 from kvfsm.lifecycle import LocalProtocolError
-from kvfsm.testing import FAST_CONFIG, Cluster, PairedRequest
+from kvfsm.sim import FAST_CONFIG, Cluster, PairedRequest
 from kvfsm.wire import Grant, Heartbeat, Progress, Registration, decode, encode, pack_blocks
 
 MODES: tuple[Mode, ...] = ("push", "pull")

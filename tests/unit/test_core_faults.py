@@ -32,7 +32,8 @@ from kvfsm.core import (
     ReportFailed,
     ReportReceived,
 )
-from kvfsm.testing import Cluster, drive_to, live_states
+from kvfsm.sim import Cluster
+from kvfsm.testing import drive_to, live_states
 from kvfsm.wire import (
     MAX_MESSAGE_BYTES,
     Cancel,

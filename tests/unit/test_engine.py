@@ -22,7 +22,7 @@ from kvfsm.fabric import FabricError, SimNetwork
 from kvfsm.layout import KvGeometry
 from kvfsm.runtime import Engine, KvCache, RequestTrace, plan_route
 from kvfsm.sidechannel import LocalDirectory
-from kvfsm.testing import SMALL_GEOMETRY, SMALL_MLA_GEOMETRY, Cluster
+from kvfsm.sim import SMALL_GEOMETRY, SMALL_MLA_GEOMETRY, Cluster
 
 MODES = ["push", "pull"]
 

@@ -28,7 +28,7 @@ from kvfsm.core import (
     SendNotification,
     StartHandshake,
 )
-from kvfsm.testing import Cluster
+from kvfsm.sim import Cluster
 from kvfsm.wire import Failure, Grant, Registration, decode, encode, pack_blocks
 
 

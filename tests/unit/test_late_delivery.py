@@ -23,7 +23,7 @@ from kvfsm.fabric import (
 )
 from kvfsm.runtime import Engine, KvCache
 from kvfsm.sidechannel import LocalDirectory
-from kvfsm.testing import SMALL_GEOMETRY, Cluster
+from kvfsm.sim import SMALL_GEOMETRY, Cluster
 
 LATE = 0.5
 TCP = SimFaults(transfer_latency=0.01, late_delivery=LATE)

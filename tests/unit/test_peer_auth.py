@@ -9,7 +9,7 @@ import pytest
 
 from kvfsm.core import Mode
 from kvfsm.runtime import Guests
-from kvfsm.testing import Cluster
+from kvfsm.sim import Cluster
 from kvfsm.wire import AuthError, Registration, ReplayGuard, SharedSecret, encode, pack_blocks
 
 MODES: tuple[Mode, ...] = ("push", "pull")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from kvfsm.core import Mode
-from kvfsm.testing import FAST_CONFIG, Cluster
+from kvfsm.sim import FAST_CONFIG, Cluster
 
 _CONFIG = msgspec.structs.replace(FAST_CONFIG, peer_idle_ttl_s=1.0, lease_s=10.0, watchdog_s=10.0)
 

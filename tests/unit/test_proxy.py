@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvfsm.harness.proxy import Proxy
+from kvfsm.serving.proxy import Proxy
 from kvfsm.testing import free_port
 
 

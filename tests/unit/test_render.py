@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvfsm.cli._render import figures_table
+from kvfsm.cli.render import figures_table
 
 _FIGURES = {"rtt_us_p50_peer": 17.4321, "detected": True, "samples": 2000}
 

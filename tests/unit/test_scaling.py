@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvfsm.cli.bench._control import memory_per_request
+from kvfsm.bench import memory_per_request
 from kvfsm.core import (
     Admit,
     Consumer,

@@ -1,9 +1,8 @@
 """P and D `vllm serve` engines with kvfsm's connector behind the project's proxy, for the
-end-to-end tests (`kvfsm.harness.serve` starts each engine as the README does)."""
+end-to-end tests (`kvfsm.serving.serve` starts each engine as the README does)."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -14,15 +13,12 @@ from typing import Any
 
 import pytest
 
-from kvfsm.harness.proxy import Proxy
-from kvfsm.harness.serve import Served, ServeError, complete, kvfsm_transfer_config
-from kvfsm.harness.vllm_pd import REPO_ROOT
+from kvfsm.serving.proxy import Proxy
+from kvfsm.serving.serve import Served, ServeError, complete, kvfsm_transfer_config
 from kvfsm.testing import free_port
 
 START_S = 300.0  # a bound on an engine's start, not a timing expectation
-# The repository on the engines' path: a test's connector (tests.vllm.skipping) loads by module.
-_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-SKIPPING = {"connector": "SkippingKvfsmConnector", "module": "tests.vllm.skipping"}
+SKIPPING = {"connector": "SkippingKvfsmConnector", "module": "kvfsm.vllm.negative_control"}
 """D's connector for the negative control: it claims every load without moving a byte."""
 
 
@@ -58,7 +54,7 @@ def deployment(
     `KVFSM_SHARED_SECRET` in every engine's environment (none if empty). `nixl_env`: each
     engine's side channel as a NixlConnector deployment gives it, `VLLM_NIXL_SIDE_CHANNEL_HOST`
     and `_PORT` in its environment, none in its transfer config."""
-    env = _ENV | ({"KVFSM_SHARED_SECRET": secret} if secret else {})
+    env = {"KVFSM_SHARED_SECRET": secret} if secret else {}
     with ExitStack() as stack:
         engines: dict[str, list[Served]] = {"p": [], "d": []}
         for side, count, role in (("p", prefill, "kv_producer"), ("d", decode, "kv_consumer")):

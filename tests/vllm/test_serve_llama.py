@@ -23,8 +23,8 @@ from serving import (
     served_in_both_modes,
 )
 
-from kvfsm.harness.serve import Served, ServeError
 from kvfsm.harness.vllm_pd import make_tiny_llama
+from kvfsm.serving.serve import Served, ServeError
 
 pytestmark = pytest.mark.slow
 

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 from serving import Deployment, deployment, tokens
 
-from kvfsm.harness.serve import Served, complete
 from kvfsm.harness.vllm_pd import make_tiny_llama
+from kvfsm.serving.serve import Served, complete
 
 PROMPTS = [[(17 * i + 3 * j) % 1000 + 1 for j in range(24 + 19 * i)] for i in range(8)]
 # D gives up on an unreachable P after 2 s instead of 10, and recomputes what it could not load.

@@ -9,10 +9,9 @@ import argparse
 import json
 import sys
 
+from kvfsm.bench import LAYOUTS, MEMORIES, VARIANTS, BenchOptions, run_bench, steps, unavailable
 from kvfsm.cli._parsing import Commands
-from kvfsm.cli._render import bench_table, progress_bar
-from kvfsm.cli.bench._memory import MEMORIES, unavailable
-from kvfsm.cli.bench._run import LAYOUTS, VARIANTS, BenchOptions, run_bench, steps
+from kvfsm.cli.render import bench_table, progress_bar
 
 __all__ = ["BenchOptions", "add_command", "run_bench"]
 

@@ -12,9 +12,9 @@ import msgspec
 from rich.console import Console
 
 from kvfsm.cli._parsing import Commands
-from kvfsm.cli._render import figures_table, progress_bar
 from kvfsm.cli.check._replay import MAX_DEPTH, CheckReport, CheckViolation
 from kvfsm.cli.check._search import default_workers, run_check
+from kvfsm.cli.render import figures_table, progress_bar
 from kvfsm.core import Mode
 
 __all__ = [

@@ -42,7 +42,7 @@ from kvfsm.cli.check._state import (
 )
 from kvfsm.core import Mode, Step
 from kvfsm.fabric import SimFaults
-from kvfsm.testing._cluster import FAST_CONFIG, Cluster
+from kvfsm.sim import FAST_CONFIG, Cluster
 
 __all__ = ["DELAY_S", "LATE_S", "MAX_DEPTH", "CheckReport", "CheckViolation"]
 

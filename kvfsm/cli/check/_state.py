@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from kvfsm.fabric import FabricError
-from kvfsm.testing._cluster import FAST_CONFIG, Cluster
+from kvfsm.sim import FAST_CONFIG, Cluster
 from kvfsm.wire import WireError, decode
 
 __all__ = [

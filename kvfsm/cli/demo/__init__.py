@@ -11,13 +11,13 @@ import sys
 import msgspec
 
 from kvfsm.cli._parsing import Commands
-from kvfsm.cli._presets import MODELS
-from kvfsm.cli._render import demo_table, progress_bar
-from kvfsm.cli.demo._nixl import run_nixl_demo
+from kvfsm.cli.demo._nixl import Driver, Tally, run_nixl_demo
 from kvfsm.cli.demo._report import DemoReport, why_not_done
 from kvfsm.cli.demo._sim import run_sim_demo
+from kvfsm.cli.render import demo_table, progress_bar
+from kvfsm.layout import MODELS
 
-__all__ = ["DemoReport", "add_command", "run_nixl_demo", "run_sim_demo"]
+__all__ = ["DemoReport", "Driver", "Tally", "add_command", "run_nixl_demo", "run_sim_demo"]
 
 
 def add_command(commands: Commands) -> None:

@@ -20,11 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from kvfsm.cli._host import require_memory
-from kvfsm.cli._presets import DTYPES, MAX_BLOCKS, MIN_BLOCKS, model_geometry
 from kvfsm.cli.demo._report import DemoReport, time_in_state, worst_state
 from kvfsm.core import Mode
-from kvfsm.harness import RankProcesses, RankSpec
+from kvfsm.harness import RankProcesses, RankSpec, require_memory
+from kvfsm.layout import DTYPES, MAX_BLOCKS, MIN_BLOCKS, model_geometry
 from kvfsm.sidechannel import compat_hash
 from kvfsm.wire import WIRE_VERSION
 

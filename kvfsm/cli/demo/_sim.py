@@ -14,7 +14,7 @@ import msgspec
 
 from kvfsm.cli.demo._report import DemoReport, time_in_state, worst_state
 from kvfsm.core import CoreConfig, Mode
-from kvfsm.testing import SMALL_GEOMETRY, Cluster
+from kvfsm.sim import SMALL_GEOMETRY, Cluster
 from kvfsm.wire import SharedSecret
 
 __all__ = ["run_sim_demo"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 
 from kvfsm.cli._parsing import Commands
-from kvfsm.cli._render import progress_bar, scenario_table
+from kvfsm.cli.render import progress_bar, scenario_table
 from kvfsm.cli.scenario._file import Scenario, ScenarioError, load_scenario, scenario_of
 from kvfsm.cli.scenario._run import ScenarioReport, run_scenario
 

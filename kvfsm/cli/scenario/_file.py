@@ -20,7 +20,7 @@ import msgspec.toml
 from kvfsm.core import CoreConfig
 from kvfsm.fabric import SimFaults
 from kvfsm.lifecycle import load
-from kvfsm.testing._cluster import FAST_CONFIG
+from kvfsm.sim import FAST_CONFIG
 
 __all__ = [
     "MAX_SCENARIO_BYTES",

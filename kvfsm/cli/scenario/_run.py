@@ -30,7 +30,7 @@ from kvfsm.cli.scenario._file import (
 )
 from kvfsm.core import Finished
 from kvfsm.fabric import SimFaults
-from kvfsm.testing._cluster import SMALL_GEOMETRY, SMALL_MLA_GEOMETRY, Cluster
+from kvfsm.sim import SMALL_GEOMETRY, SMALL_MLA_GEOMETRY, Cluster
 
 __all__ = ["RequestOutcome", "ScenarioReport", "TraceEntry", "run_scenario"]
 

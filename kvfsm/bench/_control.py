@@ -46,7 +46,7 @@ from kvfsm.layout import KvGeometry
 from kvfsm.runtime import Conformance, Engine, KvCache
 from kvfsm.sidechannel import LocalDirectory
 
-__all__ = ["bench", "core_wave", "engine_wave", "make_engines", "memory_per_request"]
+__all__ = ["control_bench", "core_wave", "engine_wave", "make_engines", "memory_per_request"]
 
 _CONFIG = CoreConfig(trace=True)  # history always on, as in production
 
@@ -135,7 +135,7 @@ def make_engines(mode: Mode, n: int) -> tuple[Engine, Engine, SimNetwork]:
     return engines[0], engines[1], net
 
 
-def bench(
+def control_bench(
     mode: Mode, n: int, total: int, repeat: int, *, conformance: bool = False
 ) -> dict[str, float]:
     """Core and engine figures for one mode and number in flight; with `conformance`, the core

@@ -15,14 +15,14 @@ from kvfsm.core import ReportReceived, Step
 from kvfsm.fabric import FabricError
 from kvfsm.lifecycle import MODEL_NAMES, load
 from kvfsm.runtime import Conformance as RuntimeConformance
-from kvfsm.testing._pattern import check_request, request_seed
+from kvfsm.sim._pattern import check_request, request_seed
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from kvfsm.core import ReleaseBlocks
     from kvfsm.runtime import Engine, InFlight, KvCache
-    from kvfsm.testing._cluster import Cluster, PairedRequest
+    from kvfsm.sim._cluster import Cluster, PairedRequest
 
 __all__ = ["COVERAGE", "Conformance", "Ledger", "untaken_transitions"]
 

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvfsm.cli.bench._memory import on_host
-from kvfsm.cli.bench._raw import BenchPlan, check_sink, kv_buffer, recv_bounded
+from kvfsm.bench._memory import on_host
+from kvfsm.bench._raw import BenchPlan, check_sink, kv_buffer, recv_bounded
 from kvfsm.core import ReportFailed, ReportReceived
 from kvfsm.layout import KvGeometry
 from kvfsm.runtime import RequestTrace

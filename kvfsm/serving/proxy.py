@@ -6,7 +6,7 @@ the ``kv_transfer_params`` that the decode engine needs, and the request goes to
 With several P and D engines, requests go round-robin, and an engine that does not accept the
 connection (down, restarting) is passed over for the next one. Each answer's `Server-Timing`
 header says how long P and D took. Standard library only; one thread a request. Run:
-``python -m kvfsm.harness.proxy --port 8000 --prefill localhost:8100 --decode localhost:8200``.
+``python -m kvfsm.serving.proxy --port 8000 --prefill localhost:8100 --decode localhost:8200``.
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """The command line: ``--port``, ``--prefill HOST:PORT ...``, ``--decode HOST:PORT ...``."""
-    parser = argparse.ArgumentParser(prog="python -m kvfsm.harness.proxy", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m kvfsm.serving.proxy", description=__doc__)
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--prefill", nargs="+", required=True, metavar="HOST:PORT")
     parser.add_argument("--decode", nargs="+", required=True, metavar="HOST:PORT")

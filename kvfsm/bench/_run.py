@@ -17,15 +17,15 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvfsm.cli._host import require_memory
-from kvfsm.cli.bench._control import bench as control_bench
-from kvfsm.cli.bench._engine import HOPS, run_engine_variant
-from kvfsm.cli.bench._memory import MEMORIES, Memory
-from kvfsm.cli.bench._raw import BenchPlan, gbps, memcpy_gbps, plan_requests, run_variant
+from kvfsm.bench._control import control_bench
+from kvfsm.bench._engine import HOPS, run_engine_variant
+from kvfsm.bench._memory import MEMORIES, Memory
+from kvfsm.bench._raw import BenchPlan, gbps, memcpy_gbps, plan_requests, run_variant
 from kvfsm.core import Mode
 from kvfsm.fabric import UcxErrorHandling
+from kvfsm.harness import require_memory
 
-__all__ = ["LAYOUTS", "VARIANTS", "BenchOptions", "run_bench"]
+__all__ = ["LAYOUTS", "VARIANTS", "BenchOptions", "run_bench", "steps"]
 
 # Report key -> how to run it, in the order they run.
 _VARIANTS: dict[str, Callable[[BenchPlan], dict[str, Any]]] = {

@@ -1,6 +1,7 @@
-"""A negative control for the end-to-end tests: a D connector that reports every load finished
+"""A negative control for the end-to-end tests (never for serving): a D connector that reports every load finished
 without moving a byte. Served tokens then come from whatever D's blocks held, so a test that
-cannot tell this connector from the real one proves nothing."""
+cannot tell this connector from the real one proves nothing. vLLM loads it by module path
+(``kv_connector_module_path: kvfsm.vllm.negative_control``), so it lives in the package."""
 
 from __future__ import annotations
 

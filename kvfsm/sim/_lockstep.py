@@ -38,7 +38,7 @@ from kvfsm.sidechannel import (
     compat_hash,
     payload_of,
 )
-from kvfsm.testing._cluster import Cluster
+from kvfsm.sim._cluster import Cluster
 from kvfsm.wire import WIRE_VERSION
 
 __all__ = ["LockstepCluster"]

@@ -26,7 +26,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvfsm.cli.bench._memory import Memory, allocate, copy_gbps, on_host
+from kvfsm.bench._memory import Memory, allocate, copy_gbps, on_host
 from kvfsm.core import Mode
 from kvfsm.fabric import UcxErrorHandling, XferHandle, buffer_span
 
@@ -36,6 +36,7 @@ __all__ = [
     "Variant",
     "buffer_of",
     "check_sink",
+    "churned_free_queue",
     "gbps",
     "kv_buffer",
     "memcpy_gbps",
