@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-installed
 
-.PHONY: demo demo-sim test check bench-vllm plots lint typecheck diagrams bench soak test-slow fuzz clean
+.PHONY: demo demo-sim test test-fast check bench-vllm plots lint typecheck diagrams bench soak test-slow fuzz clean
 
 # Refuse to start an install that cannot fit: pip's own "No space left on device" comes minutes
 # in, half-way through vLLM, and leaves a broken .venv. $(1): MB needed, $(2): what for.
@@ -66,6 +66,10 @@ test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/kvfsm diagrams --check
 	CI=$${CI:-true} $(BIN)/pytest -q -m "not slow" -n 2 --dist loadfile tests
 
+# The inner loop: everything but real NIXL agents and vLLM (docs/testing.md gives its time).
+test-fast: $(STAMP)
+	CI=$${CI:-true} $(BIN)/pytest -q -m "not nixl and not vllm and not slow" -n 2 --dist loadfile tests
+
 # The exhaustive check at CI's bound (depth 9, both modes, one worker per CPU; minutes): CI runs
 # it beside `make test`, whose pytest explores depth 7. CHECK_DEPTH=11 and up for a deeper run.
 CHECK_DEPTH ?= 9
@@ -79,7 +83,7 @@ test-slow: $(STAMP) $(VLLM_STAMP)
 	CI=$${CI:-true} $(BIN)/pytest -q -m slow tests
 
 soak: $(STAMP)
-	HYPOTHESIS_PROFILE=soak $(BIN)/pytest -q tests/stateful tests/nixl/test_differential.py tests/nixl/test_twin.py -p no:cacheprovider
+	HYPOTHESIS_PROFILE=soak $(BIN)/pytest -q tests/testing -p no:cacheprovider
 
 # Coverage-guided fuzzing (atheris, i.e. libFuzzer) of the notification codec, the side channel's
 # request and reply decoders and the scenario loader, FUZZ_SECONDS per target. Each corpus grows

@@ -48,13 +48,13 @@ for get in n y; do
 done
 
 # 2. The VRAM tests.
-log "tests/nixl/test_vram.py"
-timeout 180 python3 -m pytest -q -p no:cacheprovider tests/nixl/test_vram.py \
+log "tests/fabric/test_vram.py"
+timeout 180 python3 -m pytest -q -p no:cacheprovider tests/fabric/test_vram.py \
     >"$OUT/vram_tests.txt" 2>&1
 log "vram tests rc=$?"
 # vLLM's own layouts on VRAM, where vLLM is installed (it is too large to carry in a call).
 if python3 -c "import vllm" 2>/dev/null; then
-    timeout 180 python3 -m pytest -q -p no:cacheprovider tests/vllm/test_layouts_nixl.py -k cuda \
+    timeout 180 python3 -m pytest -q -p no:cacheprovider tests/vllm_connector/test_layouts_nixl.py -k cuda \
         >"$OUT/vram_layouts.txt" 2>&1
     log "vram layout tests rc=$?"
 else

@@ -26,12 +26,17 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", _default))
 
 # The longest files first (vLLM engines, then real NIXL agents): with xdist's `loadfile` the
 # short ones then fill in at the end, instead of one worker running a vLLM file alone.
-_FIRST = {"vllm": 0, "nixl": 1}
+_FIRST = ("vllm", "nixl")
+
+
+def _rank(item: pytest.Item) -> int:
+    marks = {mark.name for mark in item.iter_markers()}
+    return next((i for i, name in enumerate(_FIRST) if name in marks), len(_FIRST))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Order the files, keeping each file's own order (a stable sort)."""
-    items.sort(key=lambda item: _FIRST.get(item.path.parent.name, 2))
+    items.sort(key=_rank)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -1,6 +1,6 @@
 """The other process of test_sidechannel_load.py: floods a `HandshakeListener` on loopback.
 
-    python tests/fuzz/flood_listener.py PORT SPEC_JSON
+    python -m tests.fuzz.flood_listener PORT SPEC_JSON
 
 Opens `valid` REQ sockets that each ask for a served agent (all outstanding at once), and
 `dealers` DEALER sockets that send `messages` hostile requests (garbage, wrong frame counts,
@@ -22,7 +22,6 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import zmq
-from handshake_peers import BOOM, HOST, PAYLOADS, expected_outcome, request
 
 from kvfsm.sidechannel import (
     MAX_HANDSHAKE_BYTES,
@@ -30,6 +29,7 @@ from kvfsm.sidechannel import (
     HandshakeRefused,
     decode_reply,
 )
+from tests.fuzz.handshake_peers import BOOM, HOST, PAYLOADS, expected_outcome, request
 
 REASONS = {
     "oversized": ("oversized request",),

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import msgspec
 from hypothesis import strategies as st
-from strategies import ints, mutated_bytes, texts
 
 from kvfsm.layout import KvGeometry
 from kvfsm.sidechannel import (
@@ -19,6 +18,7 @@ from kvfsm.sidechannel import (
     decode_request,
     encode,
 )
+from tests.fuzz.strategies import ints, mutated_bytes, texts
 
 HOST = "127.0.0.1"
 WIRE = 1

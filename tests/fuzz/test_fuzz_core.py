@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import mutated_bytes, texts, wire_messages
 
 from kvfsm.core import MAX_PEERS, Admit, Identity, NotificationReceived, Producer, Tick
 from kvfsm.fabric import SimFaults
@@ -31,6 +30,7 @@ from kvfsm.wire import (
     decode,
     encode,
 )
+from tests.fuzz.strategies import mutated_bytes, texts, wire_messages
 
 KEY = "legit"  # the legitimate request; its ids are KEY-<8 hex>
 BLOCKS = 3

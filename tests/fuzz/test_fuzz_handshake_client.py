@@ -16,10 +16,8 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from handshake_peers import HASH, HOST, PAYLOADS, SAFETY_S, WIRE
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import as_tree, floats, msgpack_values, mutated_bytes, mutated_trees, texts
 
 from kvfsm.runtime import HandshakeError
 from kvfsm.sidechannel import (
@@ -34,6 +32,15 @@ from kvfsm.sidechannel import (
 )
 from kvfsm.wire import Completion, SharedSecret
 from kvfsm.wire import encode as wire_encode
+from tests.fuzz.handshake_peers import HASH, HOST, PAYLOADS, SAFETY_S, WIRE
+from tests.fuzz.strategies import (
+    as_tree,
+    floats,
+    msgpack_values,
+    mutated_bytes,
+    mutated_trees,
+    texts,
+)
 
 AGENT = "prefill#0"
 GOOD = PAYLOADS[AGENT]

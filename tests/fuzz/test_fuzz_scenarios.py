@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import leaves_from, mutated_trees, toml_dumps, toml_leaves
 
 from kvfsm.cli.scenario import Scenario, ScenarioError, load_scenario
 from kvfsm.cli.scenario._file import core_config
 from kvfsm.fabric import SimFaults
+from tests.fuzz.strategies import leaves_from, mutated_trees, toml_dumps, toml_leaves
 
 LIBRARY = sorted((Path(__file__).parents[1] / "scenarios").glob("*.toml"))
 TEXTS = [path.read_bytes() for path in LIBRARY]

@@ -13,7 +13,21 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from handshake_peers import (
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvfsm.sidechannel import (
+    HandshakeAccepted,
+    HandshakeListener,
+    HandshakeRefused,
+    HandshakeReply,
+    HandshakeRequest,
+    SidechannelError,
+    decode_reply,
+    decode_request,
+    encode,
+)
+from tests.fuzz.handshake_peers import (
     BOOM,
     HASH,
     HOST,
@@ -26,20 +40,13 @@ from handshake_peers import (
     request,
     request_frames,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from strategies import as_tree, floats, msgpack_values, mutated_bytes, mutated_trees, texts
-
-from kvfsm.sidechannel import (
-    HandshakeAccepted,
-    HandshakeListener,
-    HandshakeRefused,
-    HandshakeReply,
-    HandshakeRequest,
-    SidechannelError,
-    decode_reply,
-    decode_request,
-    encode,
+from tests.fuzz.strategies import (
+    as_tree,
+    floats,
+    msgpack_values,
+    mutated_bytes,
+    mutated_trees,
+    texts,
 )
 
 # --- decoders --------------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import as_tree, msgpack_values, mutated_bytes, mutated_trees, wire_messages
 
 from kvfsm.wire import (
     MAX_MESSAGE_BYTES,
@@ -28,6 +27,13 @@ from kvfsm.wire import (
     WireError,
     decode,
     encode,
+)
+from tests.fuzz.strategies import (
+    as_tree,
+    msgpack_values,
+    mutated_bytes,
+    mutated_trees,
+    wire_messages,
 )
 
 TYPES = Message.__args__  # type: ignore[attr-defined]

@@ -16,11 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from handshake_peers import HASH, HOST, PAYLOADS, SAFETY_S, WIRE, lookup
 
 from kvfsm.sidechannel import HandshakeListener, HandshakePayload, fetch_peer
+from tests.fuzz.handshake_peers import HASH, HOST, PAYLOADS, SAFETY_S, WIRE, lookup
 
-FLOOD = Path(__file__).with_name("flood_listener.py")
+_REPO = Path(__file__).resolve().parents[2]
 SPEC = {
     "valid": 200,  # REQ sockets, all waiting for their answer at once
     "dealers": 16,
@@ -42,7 +42,14 @@ def _fetch(port: int, i: int) -> HandshakePayload:
 def test_listener_under_a_flood_from_another_process() -> None:
     with HandshakeListener(lookup) as listener:
         flood = subprocess.Popen(
-            [sys.executable, str(FLOOD), str(listener.port), json.dumps(SPEC)],
+            [
+                sys.executable,
+                "-m",
+                "tests.fuzz.flood_listener",
+                str(listener.port),
+                json.dumps(SPEC),
+            ],
+            cwd=_REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

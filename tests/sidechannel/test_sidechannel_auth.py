@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
-from test_sidechannel import HASH, HOST, PAYLOADS, SAFETY_S, WIRE
+from tests.sidechannel.test_sidechannel import HASH, HOST, PAYLOADS, SAFETY_S, WIRE
 
 from kvfsm.runtime import HandshakeError
 from kvfsm.sidechannel import (
