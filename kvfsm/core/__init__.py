@@ -6,7 +6,7 @@ No threads, sockets, NIXL, sleeps or wall clock here: time is an input to `handl
 from kvfsm.core._config import CoreConfig, Identity, Mode, agent_name, paired_ranks
 from kvfsm.core._consumer import Consumer, ProducerLink
 from kvfsm.core._containment import short_trace
-from kvfsm.core._dispatch import Deadlines, Step, StepFailed, Tombstones
+from kvfsm.core._dispatch import Deadlines, Step, StepFailed
 from kvfsm.core._io import (
     Abort,
     Admit,
@@ -34,7 +34,8 @@ from kvfsm.core._io import (
 )
 from kvfsm.core._producer import ConsumerLink, Producer
 from kvfsm.core._records import Peer, Request, TransferTally
-from kvfsm.core._side import MAX_PEERS, Side
+from kvfsm.core._side import MAX_PEERS, Side, SideSnapshot
+from kvfsm.core._tombstones import Tombstones
 
 __all__ = [
     "MAX_PEERS",
@@ -69,6 +70,7 @@ __all__ = [
     "SendNotification",
     "Shutdown",
     "Side",
+    "SideSnapshot",
     "StartHandshake",
     "Step",
     "StepFailed",

@@ -19,7 +19,7 @@ from kvfsm.core._io import (
     Tick,
 )
 from kvfsm.core._records import Request
-from kvfsm.core._side import Side
+from kvfsm.core._side import Side, SideSnapshot
 from kvfsm.wire import (
     BlockIds,
     Cancel,
@@ -106,6 +106,10 @@ class Consumer(Side):
         if len(self._peer_agents) < _MAX_PEER_ENGINES:
             self._peer_agents[(engine, peer_tp)] = peers
         return peers
+
+    def snapshot(self) -> SideSnapshot:
+        """The side's bookkeeping, with D's next heartbeat."""
+        return super().snapshot()._replace(next_heartbeat=self._next_heartbeat)
 
     def next_wakeup(self) -> float | None:
         """When the next deadline or heartbeat falls (O(1): with requests live, the next

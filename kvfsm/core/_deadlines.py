@@ -54,6 +54,15 @@ class Deadlines:
     def __len__(self) -> int:
         return len(self._where)
 
+    def armed(self) -> list[tuple[str, str, float]]:
+        """Every armed deadline as (key, event, at), in no particular order."""
+        return [
+            (key, where.event, where.entries[key])
+            if isinstance(where, _Run)
+            else (key, where[2], where[0])
+            for key, where in self._where.items()
+        ]
+
     def arm(self, key: str, at: float, event: str) -> None:
         """Set `key`'s deadline to `at`, firing `event`; replaces any earlier one."""
         self.disarm(key)  # one lookup whether or not it was armed

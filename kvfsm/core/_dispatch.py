@@ -1,5 +1,5 @@
-"""Dispatching events through a lifecycle's derived table, run to completion, and tombstones
-(`Deadlines` lives in `_deadlines` and is re-exported here).
+"""Dispatching events through a lifecycle's derived table, run to completion (`Deadlines` lives
+in `_deadlines` and is re-exported here).
 
 A `Dispatcher` binds a lifecycle's guards and commands to methods of their owner once, so a step
 costs a dict lookup, the guard calls and the command calls. Events raised while a step runs (a
@@ -27,7 +27,6 @@ __all__ = [
     "RunQueue",
     "Step",
     "StepFailed",
-    "Tombstones",
     "unflatten",
 ]
 
@@ -234,50 +233,6 @@ def _names(lifecycle: Lifecycle, prefix: str) -> _Names:
     if names is None:
         names = by_prefix[prefix] = _Names(lifecycle, prefix)
     return names
-
-
-class Tombstones:
-    """A bounded memory of finished ids and how they ended, to tell late messages from unknown ones.
-
-    A dict with a FIFO of its keys (cheaper than an `OrderedDict`: one add is a dict store and a
-    deque append). Re-adding a key makes it the newest: its older place in the FIFO is counted
-    in `_moved` and skipped when it comes up (re-adds are rare: a cancel after a registration).
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self._ended: dict[str, str] = {}
-        self._order: deque[str] = deque()  # keys, oldest first
-        self._moved: dict[str, int] = {}  # key -> older places of it still in `_order`
-        self._capacity = capacity
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._ended
-
-    def __len__(self) -> int:
-        return len(self._ended)
-
-    def add(self, key: str, state: str) -> None:
-        """Remember that `key` ended in `state`; forget the oldest beyond capacity."""
-        ended = self._ended
-        size = len(ended)
-        ended.setdefault(key, state)  # one lookup for a new key, the usual case
-        if len(ended) == size:  # re-added
-            ended[key] = state
-            self._moved[key] = self._moved.get(key, 0) + 1
-        self._order.append(key)
-        while len(ended) > self._capacity:
-            old = self._order.popleft()
-            moved = self._moved.get(old)
-            if moved is None:
-                del ended[old]
-            elif moved > 1:
-                self._moved[old] = moved - 1
-            else:
-                del self._moved[old]
-
-    def get(self, key: str) -> str | None:
-        """How `key` ended, if remembered."""
-        return self._ended.get(key)
 
 
 class RunQueue:

@@ -49,6 +49,10 @@ class PendingRegistrations:
         """No room for another registration."""
         return len(self._entries) >= self._capacity
 
+    def items(self) -> list[tuple[str, str, float]]:
+        """Every kept registration as (sender, D's request id, when it expires), oldest first."""
+        return [(sender, rid, entry.expires) for (sender, rid), entry in self._entries.items()]
+
     def add(self, message: Registration, sender: str, now: float) -> None:
         """Keep `message` until its P request is admitted, or for the time to live."""
         key = (sender, message.sender_request_id)

@@ -9,11 +9,11 @@ import msgspec
 
 from kvfsm.core._config import CoreConfig, Identity, Mode, paired_ranks
 from kvfsm.core._deadlines import earliest
-from kvfsm.core._dispatch import Tombstones
 from kvfsm.core._io import Admit, PostTransfer, PrefillFinished, Tick
 from kvfsm.core._matching import PendingRegistrations
 from kvfsm.core._records import Request, TransferTally, caller_blocks
-from kvfsm.core._side import Side
+from kvfsm.core._side import Side, SideSnapshot
+from kvfsm.core._tombstones import Tombstones
 from kvfsm.wire import (
     BlockIds,
     Cancel,
@@ -98,6 +98,18 @@ class Producer(Side):
             return
         req.blocks = caller_blocks(req.id, event.blocks)
         self._req.fire(req, "prefill_finished", self._now)
+
+    def snapshot(self) -> SideSnapshot:
+        """The side's bookkeeping, with P's registrations: unmatched, matched, and ended bases."""
+        return (
+            super()
+            .snapshot()
+            ._replace(
+                pending=tuple(self._pending.items()),
+                consumed=tuple(self._consumed.items()),
+                ended_bases=tuple(key for key, _ in self._ended_bases.items()),
+            )
+        )
 
     def next_wakeup(self) -> float | None:
         """When the next deadline, peer sweep or unmatched-registration expiry falls."""

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from kvfsm.core._config import CoreConfig, Identity, Mode
 from kvfsm.core._containment import requests_hit, short_trace
 from kvfsm.core._deadlines import Deadlines, earliest
-from kvfsm.core._dispatch import Dispatcher, Recorder, RunQueue, StepFailed, Tombstones
+from kvfsm.core._dispatch import Dispatcher, Recorder, RunQueue, StepFailed
 from kvfsm.core._io import (
     Abort,
     Admit,
@@ -37,10 +37,11 @@ from kvfsm.core._io import (
 )
 from kvfsm.core._quarantine import Quarantine
 from kvfsm.core._records import Peer, Request, TransferTally, caller_blocks
+from kvfsm.core._tombstones import Tombstones
 from kvfsm.lifecycle import LocalProtocolError, ProtocolError, RemoteProtocolError, load
 from kvfsm.wire import BlockIds, Message, WireError, decode, encode
 
-__all__ = ["MAX_PEERS", "Side"]
+__all__ = ["MAX_PEERS", "Side", "SideSnapshot"]
 
 _MAX_ERRORS_KEPT = 64
 _MAX_OUTBOX = 256  # replies queued for one peer that is not connected yet
@@ -48,6 +49,22 @@ MAX_PEERS = 4096
 """Peers a side remembers; past it, inert ones (never connected, failed or evicted; unused) go."""
 _INERT = frozenset(("unknown", "failed", "evicted"))
 _CALLER_EVENTS = (Admit, PrefillFinished, Abort, Shutdown)  # their own errors are the caller's
+
+
+class SideSnapshot(NamedTuple):
+    """What a side holds besides its requests and peers, read-only: its armed deadlines
+    (key, event, at), its tombstones (id, how it ended) and when it next sweeps idle peers; for
+    P, registrations not yet matched (sender, D's id, expiry), registrations already matched
+    (key, P's id) and the base ids of ended requests; for D, its next heartbeat. `kvfsm check`
+    builds its state fingerprint from it: whatever steers what happens next is here."""
+
+    deadlines: tuple[tuple[str, str, float], ...]
+    tombstones: tuple[tuple[str, str], ...]
+    next_peer_sweep: float | None
+    pending: tuple[tuple[str, str, float], ...] = ()
+    consumed: tuple[tuple[str, str], ...] = ()
+    ended_bases: tuple[str, ...] = ()
+    next_heartbeat: float | None = None
 
 
 class Side:
@@ -100,6 +117,14 @@ class Side:
         self._next_peer_sweep: float | None = None  # while a peer is connected
 
     # --- the interface ------------------------------------------------------------------------
+
+    def snapshot(self) -> SideSnapshot:
+        """This side's bookkeeping beyond requests and peers (see `SideSnapshot`)."""
+        return SideSnapshot(
+            deadlines=tuple(self.deadlines.armed()),
+            tombstones=tuple(self.tombstones.items()),
+            next_peer_sweep=self._next_peer_sweep,
+        )
 
     def handle(self, event: Any, now: float) -> list[Command]:
         """Process one event at time `now`; return the commands to execute, in order.

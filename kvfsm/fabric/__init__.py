@@ -27,7 +27,7 @@ from kvfsm.fabric._protocol import (
     XferTelemetry,
 )
 from kvfsm.fabric._sim import SimFabric, SimNetwork
-from kvfsm.fabric._sim_faults import SimFaults, SimStats
+from kvfsm.fabric._sim_faults import NetworkSnapshot, SimFaults, SimStats
 
 __all__ = [
     "TCP_DRAIN_SLACK_S",
@@ -41,6 +41,7 @@ __all__ = [
     "Fabric",
     "FabricError",
     "MemoryHandle",
+    "NetworkSnapshot",
     "NixlFabric",
     "NotFoundError",
     "RemoteDisconnectedError",

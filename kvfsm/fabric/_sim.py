@@ -380,6 +380,10 @@ class SimNetwork(_FaultyClock):
         self._incarnations: dict[int, SimFabric] = {}
         self.on_bytes: BytesObserver | None = None
 
+    def agent_of(self, generation: int) -> str:
+        """The agent name of a fabric generation (the `gen` pending events carry)."""
+        return self._incarnations[generation].agent_name
+
     def agent(self, name: str) -> SimFabric:
         """Create an agent; `ValueError` if an agent of that name is alive."""
         if not isinstance(name, str) or not name:

@@ -15,12 +15,12 @@ import math
 import random
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from kvfsm.fabric._protocol import FabricError
 from kvfsm.fabric._sim_rows import Xfer
 
-__all__ = ["POST_OUTCOMES", "PostOutcome", "SimFaults", "SimStats"]
+__all__ = ["POST_OUTCOMES", "NetworkSnapshot", "PostOutcome", "SimFaults", "SimStats"]
 
 PostOutcome = Literal["fail_post", "err", "stuck", "delay"]
 """A scripted outcome for one `transfer()` call (see `SimNetwork.inject_next_post`)."""
@@ -143,6 +143,10 @@ class _Dice:
         """Queue an outcome for `agent`'s next `transfer()` (FIFO)."""
         self._posts.setdefault(agent, deque()).append(outcome)
 
+    def scripted_posts(self) -> dict[str, deque[PostOutcome]]:
+        """The outcomes queued per agent, next first."""
+        return self._posts
+
     def script_notif(self, receiver: str, action: _NotifAction) -> None:
         """Queue an action for the next notification sent to `receiver` (FIFO)."""
         self._notifs.setdefault(receiver, deque()).append(action)
@@ -213,6 +217,15 @@ class _LateBytes:
     xfer: Xfer  # released
 
 
+class NetworkSnapshot(NamedTuple):
+    """What a simulated network will do next, read-only: its pending events as (due, seq,
+    event) in delivery order (notifications, transfer completions, late bytes) and the post
+    outcomes scripted per agent. `kvfsm check` fingerprints it and enumerates faults over it."""
+
+    events: tuple[tuple[float, int, object], ...]
+    scripted_posts: tuple[tuple[str, tuple[PostOutcome, ...]], ...]
+
+
 class _FaultyClock:
     """Virtual clock, event heap, notification faults and scripted injections of a network."""
 
@@ -255,6 +268,28 @@ class _FaultyClock:
     def stats(self) -> SimStats:
         """A snapshot of the counters."""
         return replace(self._stats)
+
+    def snapshot(self) -> NetworkSnapshot:
+        """The pending events and scripted post outcomes (see `NetworkSnapshot`)."""
+        return NetworkSnapshot(
+            events=tuple(sorted(self._events, key=lambda e: (e[0], e[1]))),
+            scripted_posts=tuple(
+                (agent, tuple(q)) for agent, q in sorted(self._dice.scripted_posts().items()) if q
+            ),
+        )
+
+    def withdraw_event(self, seq: int) -> tuple[float, object]:
+        """Remove the pending event numbered `seq` (from `snapshot`): a message dropped, a
+        transfer that never completes. Returns its due time and the event."""
+        entry = next(e for e in self._events if e[1] == seq)
+        self._events.remove(entry)
+        heapq.heapify(self._events)
+        return entry[0], entry[2]
+
+    def add_event(self, when: float, event: object) -> None:
+        """Schedule an event taken from `snapshot` (or a copy of one) at `when`: a delivery
+        delayed or duplicated."""
+        self._schedule(when, event)
 
     def advance_to(self, t: float) -> None:
         """Move the clock to `t`, processing every event due by then in (time, seq) order."""

@@ -207,6 +207,10 @@ class Engine:
         """Peer agents loaded (their notifications may arrive at any time)."""
         return len(self._routes)
 
+    def routes(self) -> tuple[str, ...]:
+        """The peer agents loaded, sorted: those with a route planned for moving KV."""
+        return tuple(sorted(self._routes))
+
     def next_wakeup(self) -> float | None:
         """When the core next needs a `Tick` (a deadline, heartbeat or expiry), if ever."""
         return self.side.next_wakeup()

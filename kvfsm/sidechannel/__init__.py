@@ -11,7 +11,7 @@ within one process, for the simulated fabric. Both ends agree on a `compat_hash`
 from kvfsm.sidechannel._client import fetch_peer, validate
 from kvfsm.sidechannel._clock import clock_offset
 from kvfsm.sidechannel._listener import HandshakeListener
-from kvfsm.sidechannel._local_directory import DirectoryView, LocalDirectory
+from kvfsm.sidechannel._local_directory import DirectorySnapshot, DirectoryView, LocalDirectory
 from kvfsm.sidechannel._payload import (
     MAX_HANDSHAKE_BYTES,
     HandshakeAccepted,
@@ -31,6 +31,7 @@ from kvfsm.sidechannel._zmq_directory import ZmqDirectory
 
 __all__ = [
     "MAX_HANDSHAKE_BYTES",
+    "DirectorySnapshot",
     "DirectoryView",
     "HandshakeAccepted",
     "HandshakeListener",

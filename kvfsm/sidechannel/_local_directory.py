@@ -5,13 +5,22 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from typing import NamedTuple
 
 import msgspec
 
 from kvfsm.runtime import Guests, HandshakeError, PeerInfo
 from kvfsm.sidechannel._clock import clock_offset
 
-__all__ = ["DirectoryView", "LocalDirectory"]
+__all__ = ["DirectorySnapshot", "DirectoryView", "LocalDirectory"]
+
+
+class DirectorySnapshot(NamedTuple):
+    """The directory's scripted faults still to come, read-only: (peer, how many of the next
+    handshakes with it fail) and (peer, how many hang), peers with none left out."""
+
+    failing: tuple[tuple[str, int], ...]
+    hanging: tuple[tuple[str, int], ...]
 
 
 class LocalDirectory:
@@ -46,6 +55,13 @@ class LocalDirectory:
     def withdraw(self, agent: str) -> None:
         """Make `agent` unreachable (its process is gone)."""
         self._engines.pop(agent, None)
+
+    def snapshot(self) -> DirectorySnapshot:
+        """The scripted failures and hangs not yet taken (see `DirectorySnapshot`)."""
+        return DirectorySnapshot(
+            failing=tuple(sorted((peer, n) for peer, n in self._failures.items() if n)),
+            hanging=tuple(sorted((peer, n) for peer, n in self._hangs.items() if n)),
+        )
 
     def fail_next(self, peer: str, times: int = 1) -> None:
         """Make the next `times` handshakes with `peer` (to start, or to look it up) fail."""
@@ -100,6 +116,11 @@ class DirectoryView:
         d._failures[peer] -= failing
         reached = d.peer_clock(peer) + d._latency / 2  # a hang is the peer holding the request
         self._started.append((d._clock() + delay, peer, self._clock(), reached, failing))
+
+    def under_way(self) -> list[tuple[float, str, float, float, bool]]:
+        """The handshakes started and not finished: (due, peer, our clock at the start, the
+        peer's clock when the request reaches it, whether it is to fail)."""
+        return list(self._started)
 
     def next_due(self) -> float | None:
         """When the next handshake under way finishes (the directory's clock), if any."""

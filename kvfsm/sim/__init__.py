@@ -6,7 +6,7 @@ and recognisable KV contents checkable on any rank of any geometry.
 `kvfsm check`, `kvfsm scenario`, `kvfsm demo --fabric sim` and the test tools run on it."""
 
 from kvfsm.sim._cluster import Cluster, PairedRequest
-from kvfsm.sim._invariants import COVERAGE, Conformance, Ledger, untaken_transitions
+from kvfsm.sim._invariants import COVERAGE, Conformance, Ledger, LedgerBooks, untaken_transitions
 from kvfsm.sim._lockstep import LockstepCluster
 from kvfsm.sim._pattern import PatternCheck, check_request, request_seed, write_request
 from kvfsm.sim._presets import FAST_CONFIG, SMALL_GEOMETRY, SMALL_MLA_GEOMETRY
@@ -19,6 +19,7 @@ __all__ = [
     "Cluster",
     "Conformance",
     "Ledger",
+    "LedgerBooks",
     "LockstepCluster",
     "PairedRequest",
     "PatternCheck",

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from kvfsm.runtime import Engine, InFlight, KvCache
     from kvfsm.sim._cluster import Cluster, PairedRequest
 
-__all__ = ["COVERAGE", "Conformance", "Ledger", "untaken_transitions"]
+__all__ = ["COVERAGE", "Conformance", "Ledger", "LedgerBooks", "untaken_transitions"]
 
 COVERAGE: Counter[tuple[str, str, str, str]] = Counter()
 """Every (lifecycle, source, event, dest) taken in this process, for the coverage report."""
@@ -53,8 +53,30 @@ class Conformance(RuntimeConformance):
         super().record(step)
 
 
+class LedgerBooks(NamedTuple):
+    """The ledger's books, read-only, keys (agent or request key, ...) as the ledger keeps them:
+    releases counted per (agent, request), reported failures and receptions, blocks freed, and
+    per request the agents that still owe a release."""
+
+    released: tuple[tuple[tuple[str, str], int], ...]
+    received: tuple[tuple[str, str], ...]
+    failed: tuple[tuple[str, str], ...]
+    owed: tuple[tuple[str, tuple[str, ...]], ...]
+    freed: tuple[tuple[str, str], ...]
+
+
 class Ledger:
     """Properties 1-5, from what the engines tell their caller."""
+
+    def snapshot(self) -> LedgerBooks:
+        """The books as they stand (see `LedgerBooks`), each part sorted."""
+        return LedgerBooks(
+            released=tuple(sorted(self._released.items())),
+            received=tuple(sorted(self._received)),
+            failed=tuple(sorted(self._failed)),
+            owed=tuple(sorted((k, tuple(sorted(v))) for k, v in self._owed.items())),
+            freed=tuple(sorted(self._freed)),
+        )
 
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster

@@ -8,20 +8,6 @@ The helpers are test_core.py's.
 from __future__ import annotations
 
 import pytest
-from tests.core.test_core import (
-    FAST_CONFIG,
-    MODES,
-    Outputs,
-    admit_d_only,
-    admit_p,
-    blocks,
-    registration,
-    run,
-    run_until,
-    settled,
-    state,
-    warm,
-)
 
 from kvfsm.core import (
     Admit,
@@ -47,6 +33,20 @@ from kvfsm.wire import (
     Registration,
     encode,
     pack_blocks,
+)
+from tests.core.test_core import (
+    FAST_CONFIG,
+    MODES,
+    Outputs,
+    admit_d_only,
+    admit_p,
+    blocks,
+    registration,
+    run,
+    run_until,
+    settled,
+    state,
+    warm,
 )
 
 BLOCK_BYTES = 512  # a block of Cluster's model, all heads (TP ranks hold slices)

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from transitions import MachineError
 
 from kvfsm.core._deadlines import earliest
-from kvfsm.core._dispatch import Deadlines, Dispatcher, Step, Tombstones, unflatten
+from kvfsm.core._dispatch import Deadlines, Dispatcher, Step, unflatten
+from kvfsm.core._tombstones import Tombstones
 from kvfsm.lifecycle import (
     MODEL_NAMES,
     STAY,

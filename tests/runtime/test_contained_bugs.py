@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from tests.core.test_core import MODES, Outputs, settled
 
 from kvfsm.core import (
     CommandFailed,
@@ -30,6 +29,7 @@ from kvfsm.core import (
 )
 from kvfsm.runtime import Engine, EngineLoop
 from kvfsm.sim import Cluster
+from tests.core.test_core import MODES, Outputs, settled
 
 
 def _plant(

@@ -12,7 +12,6 @@ import math
 
 import msgspec
 import pytest
-from tests.core.test_core import FAST_CONFIG, MODES, Outputs, run, run_until, settled, warm
 
 from kvfsm.core import Abort, Consumer, Identity, Mode, Request
 from kvfsm.fabric import (
@@ -24,6 +23,7 @@ from kvfsm.fabric import (
 from kvfsm.runtime import Engine, KvCache
 from kvfsm.sidechannel import LocalDirectory
 from kvfsm.sim import SMALL_GEOMETRY, Cluster
+from tests.core.test_core import FAST_CONFIG, MODES, Outputs, run, run_until, settled, warm
 
 LATE = 0.5
 TCP = SimFaults(transfer_latency=0.01, late_delivery=LATE)

@@ -10,7 +10,6 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
-from tests.sidechannel.test_sidechannel import HASH, HOST, PAYLOADS, SAFETY_S, WIRE
 
 from kvfsm.runtime import HandshakeError
 from kvfsm.sidechannel import (
@@ -25,6 +24,7 @@ from kvfsm.sidechannel import (
     fetch_peer,
 )
 from kvfsm.wire import SharedSecret
+from tests.sidechannel.test_sidechannel import HASH, HOST, PAYLOADS, SAFETY_S, WIRE
 
 SECRET = SharedSecret(b"a-deployment-secret-0123456789")
 OTHER = SharedSecret(b"another-deployment-secret-99")

@@ -26,8 +26,7 @@ it leaves out).
 from __future__ import annotations
 
 import dataclasses
-import heapq
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -159,13 +158,13 @@ class _Run:
                 acts += [("drop", str(seq)), ("duplicate", str(seq)), ("delay", str(seq))]
             elif flight_of(c, ev) is not None:
                 acts += [("err", str(seq)), ("stuck", str(seq))]
-        armed = getattr(net, "_dice")._posts.get(self.poster)  # noqa: B009
+        armed = dict(net.snapshot().scripted_posts).get(self.poster)
         if self.poster not in c.dead and not armed and _may_post(c, self.poster):
             acts.append(("fail_post", self.poster))
         for agent in (a for a in _AGENTS if a not in c.dead):
             acts += [("kill", agent, "reset"), ("kill", agent, "cut")]
             shaking = any(e[1] == agent for x in c.live_engines() for e in handshakes(x))
-            if shaking and not c.directory._failures[agent]:
+            if shaking and agent not in dict(c.directory.snapshot().failing):
                 acts.append(("handshake", agent))
         return acts
 
@@ -208,18 +207,17 @@ def _inject(c: Cluster, action: Action) -> str:
     if kind == "handshake":
         c.directory.fail_next(action[1])
         return f"fault: the handshake under way with {action[1]} fails"
-    heap: list[Any] = getattr(net, "_events")  # noqa: B009
-    entry = next(e for e in heap if e[1] == int(action[1]))
-    when, _, ev = entry
+    seq = int(action[1])
+    when, ev = next((w, e) for w, s, e in net.snapshot().events if s == seq)
+    ev = cast(Any, ev)  # a message, a completion or late bytes: told apart by their fields
     label = f"fault: {kind} {_describe(c, ev, when)}"
     if kind in ("drop", "delay", "stuck"):
-        heap.remove(entry)
-        heapq.heapify(heap)
+        net.withdraw_event(seq)
     if kind == "delay":
-        net._schedule(when + DELAY_S, ev)
+        net.add_event(when + DELAY_S, ev)
         label += f" by {DELAY_S} s"
     elif kind == "duplicate":
-        net._schedule(when, dataclasses.replace(ev))
+        net.add_event(when, dataclasses.replace(ev))
     elif kind == "err":
         ev.fail_rows = 0  # it ends ERR when due, having copied nothing
     return label

@@ -7,8 +7,8 @@ registrations; the network's pending events in delivery order (messages decoded,
 lengths) and who handshaked with whom; the ledger's books; faults used; aborts spent. Times are relative to now, and those
 older than every bound are one value. Left out, as they steer nothing: random ids and blocks,
 random generators, counters, and how a settled request (no engine holds it, no pending event
-names it) ended. It reads private state of the simulated network and the cores (the price of a
-fingerprint that sees everything): a refactor of those must keep it in step.
+names it) ended. It reads the public snapshots of the cores, engines, simulated network,
+directory and ledger (`snapshot()`), so a refactor of their private fields cannot change it.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from kvfsm.fabric import FabricError
+from kvfsm.sidechannel import DirectoryView
 from kvfsm.sim import FAST_CONFIG, Cluster
 from kvfsm.wire import WireError, decode
 
@@ -41,7 +42,7 @@ _PAST = -1e9  # any time longer ago than the longest bound
 
 def pending_events(c: Cluster) -> list[tuple[float, int, Any]]:
     """The network's pending notifications and transfer completions, in delivery order."""
-    return sorted(getattr(c.network, "_events"), key=lambda e: (e[0], e[1]))  # noqa: B009
+    return list(c.network.snapshot().events)
 
 
 def is_late_bytes(ev: Any) -> bool:
@@ -50,7 +51,7 @@ def is_late_bytes(ev: Any) -> bool:
 
 
 def agent_of(c: Cluster, gen: int) -> str:
-    return str(getattr(c.network, "_incarnations")[gen].agent_name)  # noqa: B009
+    return c.network.agent_of(gen)
 
 
 def flight_of(c: Cluster, ev: Any) -> Any:
@@ -62,7 +63,8 @@ def flight_of(c: Cluster, ev: Any) -> Any:
 
 def handshakes(engine: Any) -> list[tuple[Any, ...]]:
     """The handshakes an engine's `DirectoryView` has under way: (due time, peer, ...)."""
-    return list(getattr(engine.directory, "_started", ()))
+    directory = engine.directory
+    return directory.under_way() if isinstance(directory, DirectoryView) else []
 
 
 class Namer:
@@ -107,7 +109,7 @@ def state_print(c: Cluster, faults: int, spent_actions: frozenset[tuple[str, ...
     held = [repr(network)]
     for e in c.live_engines():
         held += [*e.side.requests, *(f.request_id for f in e.inflight.values())]
-        held += [rid for _, rid in getattr(getattr(e.side, "_pending", None), "_entries", ())]
+        held += [rid for _, rid, _ in e.side.snapshot().pending]
         held += [rid for _, rid, _ in e.side.quarantine]
     text = n.id(" ".join(held))
     n.settled = frozenset(k for k in c.requests if f"{k}@" not in text)
@@ -121,10 +123,8 @@ def _engine_print(c: Cluster, agent: str, n: Namer) -> Hashable:
         return (agent, "dead")
     engine = c.engines[agent]
     side: Any = engine.side
-    deadlines = sorted(
-        (n.id(k), w.event, n.t(w.entries[k])) if hasattr(w, "event") else (n.id(k), w[2], n.t(w[0]))
-        for k, w in side.deadlines._where.items()
-    )
+    snap = side.snapshot()
+    deadlines = sorted((n.id(k), event, n.t(at)) for k, event, at in snap.deadlines)
     peers = sorted(
         (
             p.id,
@@ -142,16 +142,16 @@ def _engine_print(c: Cluster, agent: str, n: Namer) -> Hashable:
         (n.id(f.request_id), f.op, f.peer, _xfer_state(engine, f.handle))
         for f in engine.inflight.values()
     )
-    ended = [(n.id(k), v) for k, v in side.tombstones._ended.items() if n.keep(n.id(k))]
+    ended = [(n.id(k), v) for k, v in snap.tombstones if n.keep(n.id(k))]
     if side.side == "P":
         extra: Any = (
-            sorted((s, n.id(r), n.t(e.expires)) for (s, r), e in side._pending._entries.items()),
-            sorted((n.id(k), n.id(v)) for k, v in side._consumed._ended.items() if n.keep(n.id(k))),
-            sorted(k for k in side._ended_bases._ended if n.keep(f"{k}@")),
+            sorted((s, n.id(r), n.t(expires)) for s, r, expires in snap.pending),
+            sorted((n.id(k), n.id(v)) for k, v in snap.consumed if n.keep(n.id(k))),
+            sorted(k for k in snap.ended_bases if n.keep(f"{k}@")),
         )
     else:
         holds = [(n.t(until), n.id(rid), len(blocks)) for until, rid, blocks in side.quarantine]
-        extra = (n.t(side._next_heartbeat), holds)
+        extra = (n.t(snap.next_heartbeat), holds)
     return repr(
         (
             agent,
@@ -161,10 +161,10 @@ def _engine_print(c: Cluster, agent: str, n: Namer) -> Hashable:
             flights,
             sorted((n.t(e[0]), e[1], e[-1]) for e in handshakes(engine)),
             sorted(ended),
-            sorted(engine._routes),
+            list(engine.routes()),
             side.shut_down,
             extra,
-            n.t(getattr(side, "_next_peer_sweep", None)),
+            n.t(snap.next_peer_sweep),
         )
     )
 
@@ -221,9 +221,8 @@ def _network_print(c: Cluster, n: Namer) -> Hashable:
             flight = flight_of(c, ev)
             what = None if flight is None else n.id(flight.request_id)
             events.append((n.t(when), agent_of(c, ev.gen), what, ev.fail_rows is None))
-    dice: Any = getattr(c.network, "_dice")  # noqa: B009
-    scripted = [(a, tuple(q)) for a, q in sorted(dice._posts.items()) if q]
-    failing = sorted((a, k) for a, k in c.directory._failures.items() if k)
+    scripted = list(c.network.snapshot().scripted_posts)
+    failing = list(c.directory.snapshot().failing)
     guests = sorted(c.directory.guests.pairs())  # whose notifications each engine takes
     return repr((events, scripted, failing, sorted(c.dead), guests))
 
@@ -250,7 +249,7 @@ def _field(name: str, value: Any, n: Namer) -> Any:
 
 def _ledger_print(c: Cluster, n: Namer) -> Hashable:
     """The ledger's books of the requests not settled, and what settled ones still owe."""
-    ledger: Any = c.ledger
+    books = c.ledger.snapshot()
     live = {k for k in c.requests if k not in n.settled}
     return repr(
         (
@@ -260,11 +259,11 @@ def _ledger_print(c: Cluster, n: Namer) -> Hashable:
                 if k in live
             ],
             sorted(n.settled),
-            sorted(x for x in ledger._released.items() if x[0][1] in live),
-            sorted(x for x in ledger._received if x[1] in live),
-            sorted(x for x in ledger._failed if x[1] in live),
-            sorted((k, sorted(v)) for k, v in ledger._owed.items() if v or k in live),
-            sorted(x for x in ledger._freed if x[0] in live),
+            [x for x in books.released if x[0][1] in live],
+            [x for x in books.received if x[1] in live],
+            [x for x in books.failed if x[1] in live],
+            [(k, list(v)) for k, v in books.owed if v or k in live],
+            [x for x in books.freed if x[0] in live],
         )
     )
 
