@@ -30,7 +30,7 @@ _TIMEOUT_S = 600.0
 
 class _Server(ThreadingHTTPServer):
     # The standard library's backlog of 5 resets connections beyond it: a burst of concurrent
-    # clients (64 in tests/vllm) must queue, as they do at vLLM's own server.
+    # clients (64 in tests/vllm_connector) must queue, as they do at vLLM's own server.
     request_queue_size = 1024
     daemon_threads = True
 

@@ -28,7 +28,7 @@ _SMALL += ["--repeat", "1"]
 def pushed() -> dict[str, Any]:
     """One push run over contiguous blocks, shared by the tests of the report and of its table
     (a run starts ten processes and NIXL agents). How rounds become medians and ratios is tested
-    with stand-in runs of known times (tests/unit/test_bench_rounds.py)."""
+    with stand-in runs of known times (tests/bench/test_bench_rounds.py)."""
     with contextlib.redirect_stdout(io.StringIO()) as out:
         assert main(["bench", *_SMALL, "--json"]) == 0
     report: dict[str, Any] = json.loads(out.getvalue())

@@ -2,7 +2,7 @@
 round order, b/a2 paired within each round, the engine's extra time per request, and latency like
 for like, hop by hop. The runs
 are stand-ins with known wall times (the real variants, with NIXL, are in
-tests/nixl/test_bench.py): the aggregation is what is tested here, and with real runs no test
+tests/bench/test_bench.py): the aggregation is what is tested here, and with real runs no test
 can know which order the rounds came in."""
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ def test_a_wrong_value_is_refused_clearly() -> None:
         NixlFabric("ehX#0", ucx_error_handling="bogus")  # type: ignore[arg-type]
 
 
-# Importing the connector imports vLLM, whose import chain warns once (see tests/vllm/conftest.py).
+# Importing the connector imports vLLM, whose import chain warns once (see tests/vllm_connector/conftest.py).
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_the_connector_setting_is_checked() -> None:
     pytest.importorskip("vllm")

@@ -1,7 +1,7 @@
 """What `NixlFabric` passes to NIXL for CUDA tensors (VRAM) and CPU tensors (DRAM).
 
 No GPU here: an agent that records its calls stands in for NIXL's, so this checks the arguments
-kvfsm gives NIXL, not NIXL itself (tests/nixl/ runs the real agent over DRAM)."""
+kvfsm gives NIXL, not NIXL itself (tests/fabric/test_nixl_fabric.py runs the real agent over DRAM)."""
 
 from __future__ import annotations
 

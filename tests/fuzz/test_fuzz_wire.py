@@ -1,4 +1,4 @@
-"""The notification codec against hostile input, beyond tests/unit/test_wire.py: well-formed
+"""The notification codec against hostile input, beyond tests/wire/test_wire.py: well-formed
 messages of every type with bogus field values, byte-level and structural mutations of their
 encodings (wrong types, missing and extra fields, NaN, huge integers), and length headers that
 claim gigabytes. `decode` returns a message that re-encodes to what it decoded, or raises

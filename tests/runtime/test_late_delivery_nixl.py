@@ -1,6 +1,6 @@
 """The real fabric bounds how long a given-up transfer's bytes may land (UCX over TCP), and D's
-engine holds given-up blocks at least that long (tests/unit/test_late_delivery.py has the hold
-itself; tests/netns/test_two_hosts.py cuts a real link under a transfer)."""
+engine holds given-up blocks at least that long (tests/runtime/test_late_delivery.py has the hold
+itself; tests/harness/test_two_hosts.py cuts a real link under a transfer)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The proxy's own answers, before or without an engine: bad requests refused saying why, an
-unreachable engine reported as 502 (the path through real engines: tests/vllm/test_serve_llama.py)."""
+unreachable engine reported as 502 (the path through real engines: tests/vllm_connector/test_serve_llama.py)."""
 
 from __future__ import annotations
 

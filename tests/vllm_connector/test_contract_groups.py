@@ -1,6 +1,6 @@
 """The scheduler contract with two KV cache groups: a tiny Llama whose layer 0 attends within 64
 tokens (a sliding-window group) and layer 1 to everything (a full-attention group), overlaid on
-one KV tensor as vLLM's hybrid allocator lays them out (tests/vllm/pd_pair.py).
+one KV tensor as vLLM's hybrid allocator lays them out (tests/vllm_connector/fixtures/pd_pair.py).
 
 A 150-token prompt fills 5 blocks per group; vLLM frees the sliding group's first 2 as the
 window passes them, and kvfsm moves the full group's 5 and the sliding group's last 3."""

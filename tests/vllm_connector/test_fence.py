@@ -1,6 +1,6 @@
 """`DeviceFence` on the host: a step's events wait for the device work queued before them, keep
 their order across steps, and none is lost at close. The device is a stand-in whose progress
-the test sets (the VRAM test in tests/nixl/test_vram.py runs the real thing on a GPU)."""
+the test sets (the VRAM test in tests/fabric/test_vram.py runs the real thing on a GPU)."""
 
 from __future__ import annotations
 
