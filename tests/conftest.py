@@ -8,11 +8,12 @@ local soak; anything else gets a quick randomised profile.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
 
-_COMMON = {
+_COMMON: dict[str, Any] = {
     "deadline": None,
     "database": None,  # runs are reproducible from the profile alone, as on a fresh clone
     "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],

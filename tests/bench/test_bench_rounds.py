@@ -8,7 +8,7 @@ can know which order the rounds came in."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -135,9 +135,12 @@ def test_only_the_chosen_variants_run_and_ratios_need_both_of_theirs(
     ran: list[str] = []
     for variant in bench._VARIANTS:
         stand_in = _stand_in([1.0] * 3)
-        monkeypatch.setitem(
-            bench._VARIANTS, variant, lambda plan, v=variant, s=stand_in: ran.append(v) or s(plan)
-        )
+
+        def run(plan: BenchPlan, v: str = variant, s: Any = stand_in) -> dict[str, Any]:
+            ran.append(v)
+            return cast(dict[str, Any], s(plan))
+
+        monkeypatch.setitem(bench._VARIANTS, variant, run)
     options = bench.BenchOptions(
         mode="push",
         allocation="contiguous",

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import vllm_load
+import vllm_load  # type: ignore[import-not-found]  # a script: on the path above
 
 
 def _cell(ms: float, rate: float, mismatches: int = 0) -> dict[str, Any]:
@@ -17,7 +17,7 @@ def _cell(ms: float, rate: float, mismatches: int = 0) -> dict[str, Any]:
 
 
 def test_ratios_are_over_nixl_at_the_same_concurrency() -> None:
-    report = {
+    report: dict[str, Any] = {
         "connectors": {
             "nixl_pull": {
                 "error": None,

@@ -9,7 +9,7 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import pytest
@@ -121,7 +121,7 @@ def test_a_state_has_one_digest_in_every_process() -> None:
     run = _Run("pull", {}, set())
     for action in _TWO_ABORTS:
         run.apply(action)
-    printed = state_print(run.cluster, run.faults, frozenset(run.spent))
+    printed = cast(tuple[Any, ...], state_print(run.cluster, run.faults, frozenset(run.spent)))
     assert printed[-1] == (("abort", "r1", "P"), ("abort", "r2", "P"))  # both spent, in order
 
     def plain(value: Any) -> bool:

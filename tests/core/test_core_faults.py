@@ -18,7 +18,7 @@ from kvfsm.core import (
     ReportFailed,
     ReportReceived,
 )
-from kvfsm.sim import Cluster
+from kvfsm.sim import FAST_CONFIG, Cluster
 from kvfsm.testing import drive_to, live_states
 from kvfsm.wire import (
     MAX_MESSAGE_BYTES,
@@ -35,7 +35,6 @@ from kvfsm.wire import (
     pack_blocks,
 )
 from tests.core.test_core import (
-    FAST_CONFIG,
     MODES,
     Outputs,
     admit_d_only,

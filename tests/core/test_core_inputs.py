@@ -26,7 +26,7 @@ def test_bad_block_ids_are_refused_and_nothing_is_kept(
     with pytest.raises(error, match=text):
         p.handle(Admit("r", blocks), 0.0)
     assert not p.requests
-    p.handle(Admit("r", [1, 2]), 0.0)  # the same id is still free
+    p.handle(Admit("r", np.array([1, 2])), 0.0)  # the same id is still free
     with pytest.raises(error, match=text):
         p.handle(PrefillFinished("r", blocks), 0.0)
     assert p.requests["r"].state == "allocated"
@@ -34,13 +34,13 @@ def test_bad_block_ids_are_refused_and_nothing_is_kept(
 
 def test_block_ids_of_any_integer_type_become_int32() -> None:
     d = Consumer(Identity("D"), "pull")
-    d.handle(Admit("r", [3, 4], "P", 1, "p"), 0.0)
+    d.handle(Admit("r", np.array([3, 4], dtype=np.int64), "P", 1, "p"), 0.0)
     assert d.requests["r"].blocks.dtype == np.int32
 
 
 def test_admitting_twice_is_the_callers_protocol_error() -> None:
     p = Producer(Identity("P"), "pull")
-    p.handle(Admit("r", [1]), 0.0)
+    p.handle(Admit("r", np.array([1])), 0.0)
     with pytest.raises(LocalProtocolError, match="'admit' is not accepted") as caught:
-        p.handle(Admit("r", [1]), 0.0)
+        p.handle(Admit("r", np.array([1])), 0.0)
     assert caught.value.fault == "caller" and caught.value.request == "r"

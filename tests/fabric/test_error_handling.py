@@ -81,7 +81,7 @@ def test_both_modes_move_verified_bytes_with_notifications(
         local = a.prep_xfer_dlist(None, _row(src))
         remote = a.prep_xfer_dlist(b.agent_name, _row(dst))
         handle = a.make_prepped_xfer("WRITE", local, idx, remote, idx, b"w%d" % i)
-        state, got = a.transfer(handle), []
+        state, got = a.transfer(handle), list[bytes]()
         deadline = time.monotonic() + _BOUND_S
         while (state == "PROC" or not got) and time.monotonic() < deadline:
             # Both agents progress: UCX wires a connection up only as both sides poll.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -40,7 +41,7 @@ def _rows(buf: np.ndarray, n: int, size: int) -> np.ndarray:
 
 
 @pytest.fixture
-def pair() -> tuple[NixlFabric, NixlFabric]:
+def pair() -> Iterator[tuple[NixlFabric, NixlFabric]]:
     n = next(_names)
     a, b = NixlFabric(f"A{n}"), NixlFabric(f"B{n}")
     yield a, b
@@ -63,7 +64,7 @@ def test_transfer_moves_bytes_and_notifies_the_peer(
     local = a.prep_xfer_dlist(None, _rows(a_buf, 4, 1024))
     remote = a.prep_xfer_dlist(b.agent_name, _rows(b_buf, 4, 1024))
     handle = a.make_prepped_xfer(op, local, np.array([0, 2]), remote, np.array([1, 3]), b"note")  # type: ignore[arg-type]
-    state, notifs = a.transfer(handle), {}
+    state, notifs = a.transfer(handle), dict[str, list[bytes]]()
     deadline = time.monotonic() + _TIMEOUT
     while (state == "PROC" or not notifs) and time.monotonic() < deadline:
         state = a.check_xfer_state(handle) if state == "PROC" else state

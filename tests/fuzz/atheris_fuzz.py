@@ -21,6 +21,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import atheris
 
@@ -93,7 +94,12 @@ def _scenario(data: bytes) -> None:
 def _seeds(target: str) -> list[bytes]:
     if target == "scenario":
         return [path.read_bytes() for path in sorted(_SCENARIOS.glob("*.toml"))]
-    common = {"request_id": "r-0123abcd", "sender_request_id": "s", "rank": 0, "tp_size": 2}
+    common: dict[str, Any] = {
+        "request_id": "r-0123abcd",
+        "sender_request_id": "s",
+        "rank": 0,
+        "tp_size": 2,
+    }
     if target == "wire":
         blocks = pack_blocks([1, 2, 3])
         return [

@@ -56,7 +56,7 @@ class HostileListener:
         self.requests = 0
         self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self.port = self._sock.bind_to_random_port(f"tcp://{HOST}")
+        self.port: int = self._sock.bind_to_random_port(f"tcp://{HOST}")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()

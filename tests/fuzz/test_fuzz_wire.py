@@ -8,7 +8,7 @@ notifications open only untouched, and the replay guard never takes one twice.""
 from __future__ import annotations
 
 import tracemalloc
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import pytest
@@ -36,7 +36,7 @@ from tests.fuzz.strategies import (
     wire_messages,
 )
 
-TYPES = Message.__args__  # type: ignore[attr-defined]
+TYPES = Message.__args__
 
 
 def check_decode(payload: bytes) -> Message | None:
@@ -46,6 +46,7 @@ def check_decode(payload: bytes) -> Message | None:
     except WireError:
         return None
     assert isinstance(message, TYPES)
+    message = cast(Message, message)
     assert message.rank >= 0
     if not isinstance(message, Heartbeat):
         assert message.tp_size >= 1

@@ -22,8 +22,8 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Iterator
-from multiprocessing.connection import wait
-from typing import Any
+from multiprocessing.connection import Connection, wait
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -181,9 +181,10 @@ class _Ranks:
             if left <= 0:
                 return False
             by_conn = {conn: agent for agent, conn in self.pipes.items()}
-            for conn in wait(list(by_conn), timeout=left if tick is None else min(tick, left)):
+            ready = wait(list(by_conn), timeout=left if tick is None else min(tick, left))
+            for conn in cast(list[Connection], ready):
                 try:
-                    self._take(by_conn[conn], conn.recv())  # type: ignore[union-attr]
+                    self._take(by_conn[conn], conn.recv())
                 except EOFError:  # `kill` forgets the pipe first: this rank died by itself
                     self.errors.append(f"{by_conn[conn]}: its process ended")
                     del self.pipes[by_conn[conn]]

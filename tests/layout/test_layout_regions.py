@@ -125,7 +125,7 @@ def test_bad_ids_raise(blocks: object, regions: object, message: str) -> None:
 @pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint64])
 def test_id_bounds_on_few_and_many_ids(size: int, dtype: type) -> None:
     # Few ids take Python's min/max, many numpy's: both must find the same extremes.
-    ids = np.random.default_rng(size).permutation(size).astype(dtype) + 7
+    ids: np.ndarray = np.random.default_rng(size).permutation(size).astype(dtype) + 7
     assert id_bounds(ids) == (7, size + 6)
     if dtype is not np.uint64:
         ids[size // 2] = -3

@@ -110,11 +110,12 @@ def _t(doc: Doc, i: int, **fields: Any) -> None:
     doc["transitions"][i].update(fields)
 
 
-def _add(doc: Doc, table: str, **fields: Any) -> None:
+def _add(doc: Doc, table: str, **fields: Any) -> Doc:
     doc[table].append({"description": "d", **fields} if table != "transitions" else fields)
+    return doc  # a value, so that one mutation can chain several in a tuple
 
 
-MUTATIONS: list[tuple[str, Callable[[Doc], None], list[str]]] = [
+MUTATIONS: list[tuple[str, Callable[[Doc], object], list[str]]] = [
     (
         "unknown_dest",
         lambda d: _t(d, 1, dest="nowhere"),

@@ -10,6 +10,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -121,12 +122,12 @@ def test_handshake_failure_fails_the_request_and_the_engine_goes_on(
         if failure == "nothing listening":
             port = free_port()
         elif failure in ("hash mismatch", "wrong engine", "geometry"):
-            bad = {
+            bads: dict[str, dict[str, Any]] = {
                 "hash mismatch": {"compat_hash": "another-model"},
                 "wrong engine": {"engine_id": "X", "agent": "X#0"},
                 "geometry": {"block_lens": (1, 1)},
-            }[failure]
-            bad_listener = HandshakeListener({p.agent: _payload(p, **bad)}.get)
+            }
+            bad_listener = HandshakeListener({p.agent: _payload(p, **bads[failure])}.get)
             servers.append(iter([]))
             port = bad_listener.port
         else:
@@ -164,7 +165,7 @@ def test_handshake_failure_fails_the_request_and_the_engine_goes_on(
             return any(isinstance(o, Finished) for o in got)
 
         _run([p, d], both_done)
-        assert [o.state for o in got if isinstance(o, Finished)] == ["done"]  # type: ignore[attr-defined]
+        assert [o.state for o in got if isinstance(o, Finished)] == ["done"]
         assert any(isinstance(o, ReportReceived) for o in got)
         check = check_request(
             d.kv, request_seed("r2"), [3, 4], unit_tokens=8, first_token=0, tokens=16

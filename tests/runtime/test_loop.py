@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import pytest
@@ -44,14 +45,14 @@ _GEOMETRY = KvGeometry(
 )
 _HASH, _WIRE = "loop-test", 1
 _BOUND_S = 20.0  # every wait here is bounded; a working loop is done in milliseconds
-_SLOW_POLL = {"poll_min_s": 30.0, "poll_max_s": 30.0, "idle_poll_s": 30.0}
+_SLOW_POLL: dict[str, Any] = {"poll_min_s": 30.0, "poll_max_s": 30.0, "idle_poll_s": 30.0}
 _ids = itertools.count()
 
 
 class _Rank:
     """An engine, its handshake listener and its loop; outputs land in a queue."""
 
-    def __init__(self, side: str, name: str, mode: Mode, config: CoreConfig, **loop: float) -> None:
+    def __init__(self, side: str, name: str, mode: Mode, config: CoreConfig, **loop: Any) -> None:
         core = (Producer if side == "P" else Consumer)(Identity(name), mode, config)
         self.addresses: dict[str, tuple[str, int]] = {}
         self.directory = ZmqDirectory(
@@ -85,7 +86,7 @@ class _Rank:
 
 @contextmanager
 def _pair(
-    mode: Mode, d_loop: dict[str, float] | None = None, d_config: CoreConfig | None = None
+    mode: Mode, d_loop: dict[str, Any] | None = None, d_config: CoreConfig | None = None
 ) -> Iterator[tuple[_Rank, _Rank]]:
     n = next(_ids)
     p = _Rank("P", f"P{n}", mode, CoreConfig())
@@ -112,7 +113,7 @@ def test_loops_move_verified_kv_submitted_from_another_thread(mode: Mode) -> Non
         got = d.until_finished(20)
         p.until_finished(20)
         for i in range(20):
-            mine = [o for o in got if o.request_id == f"r{i}-0000000b"]
+            mine = [o for o in got if getattr(o, "request_id", None) == f"r{i}-0000000b"]
             assert [type(o).__name__ for o in mine] == [
                 "ReportReceived",
                 "Finished",

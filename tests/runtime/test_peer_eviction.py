@@ -3,9 +3,12 @@ live request still uses is kept however long that request lives."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import msgspec
 
 from kvfsm.core import Mode
+from kvfsm.fabric import SimFabric
 from kvfsm.sim import FAST_CONFIG, Cluster
 
 _CONFIG = msgspec.structs.replace(FAST_CONFIG, peer_idle_ttl_s=1.0, lease_s=10.0, watchdog_s=10.0)
@@ -15,17 +18,23 @@ def _peer_states(c: Cluster) -> dict[str, str]:
     return {f"{e.agent}->{p.id}": p.state for e in c.live_engines() for p in e.side.peers.values()}
 
 
+def _remotes(c: Cluster) -> list[int]:
+    fabrics = [e.fabric for e in c.live_engines()]
+    assert all(isinstance(f, SimFabric) for f in fabrics)
+    return [cast(SimFabric, f).open_resources()["remote_agents"] for f in fabrics]
+
+
 def test_idle_peers_are_evicted_and_reconnected_on_demand() -> None:
     for mode in ("push", "pull"):
-        c = Cluster(mode, config=_CONFIG)  # type: ignore[arg-type]
+        c = Cluster(mode, config=_CONFIG)
         assert c.serve("r1", 2) == {"P#0": "done", "D#0": "done"}
         assert set(_peer_states(c).values()) == {"connected"}
-        remotes = [e.fabric.open_resources()["remote_agents"] for e in c.live_engines()]
+        remotes = _remotes(c)
         assert remotes == [1, 1]
         for _ in range(4):  # 2 s: past the TTL and the half-TTL sweep
             c.step(0.5)
         assert set(_peer_states(c).values()) == {"evicted"}, mode
-        assert [e.fabric.open_resources()["remote_agents"] for e in c.live_engines()] == [0, 0]
+        assert _remotes(c) == [0, 0]
         assert c.serve("r2", 2) == {"P#0": "done", "D#0": "done"}  # a new request handshakes again
         assert set(_peer_states(c).values()) == {"connected"}
         assert c.ledger.quiescence() == []

@@ -4,10 +4,12 @@ loads it again."""
 from __future__ import annotations
 
 import time
+from typing import cast
 
 import msgspec
 import pytest
 
+from kvfsm.fabric import NixlFabric
 from kvfsm.sim import FAST_CONFIG, Cluster
 
 pytestmark = pytest.mark.nixl
@@ -18,7 +20,7 @@ _BOUND_S = 20.0  # a safety bound on the wait, not a timing assertion
 
 
 def _remotes(c: Cluster) -> list[int]:
-    return [e.fabric.open_resources()["remote_agents"] for e in c.live_engines()]
+    return [cast(NixlFabric, e.fabric).open_resources()["remote_agents"] for e in c.live_engines()]
 
 
 def test_idle_remote_agents_are_unloaded_and_reloaded() -> None:

@@ -133,7 +133,7 @@ def test_sweep_examines_only_due_deadlines() -> None:
 def test_deadlines_out_of_order_arms_stay_exact() -> None:
     """Deadlines armed out of time order (a fence, a clock stepped back) fire in time order."""
     rng = random.Random(5)
-    d, ref = Deadlines(), {}
+    d, ref = Deadlines(), dict[str, tuple[float, str]]()
     for i in range(3000):
         key, event = f"k{rng.randrange(500)}", rng.choice(["lease", "stall", "fence"])
         if rng.random() < 0.2:

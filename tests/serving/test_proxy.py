@@ -8,6 +8,7 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from typing import Any, cast
 
 import pytest
 
@@ -61,7 +62,8 @@ class _Engine:
     def __init__(self, name: str) -> None:
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-        seen = self.seen = []
+        seen: list[dict[str, Any]] = []
+        self.seen = seen
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
@@ -94,7 +96,7 @@ def test_an_engine_that_refuses_connections_is_passed_over() -> None:
         for _ in range(4):  # round-robin lands on the dead P every other request
             status, body = _post(served, "/v1/completions", b'{"prompt": [1, 2], "max_tokens": 3}')
             assert status == 200 and body["engine"] == "d"
-            assert body["sent"]["kv_transfer_params"] == {"from": "p1"}
+            assert cast(dict[str, Any], body["sent"])["kv_transfer_params"] == {"from": "p1"}
         assert len(live_p.seen) == 4 and all(b["max_tokens"] == 1 for b in live_p.seen)
     finally:
         served.close()

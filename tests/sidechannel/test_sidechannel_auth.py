@@ -151,7 +151,7 @@ class _ReplayingListener:
         self._reply = reply
         self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self.port = self._sock.bind_to_random_port(f"tcp://{HOST}")
+        self.port: int = self._sock.bind_to_random_port(f"tcp://{HOST}")
         self._thread = threading.Thread(target=self._serve, daemon=True)
 
     def _serve(self) -> None:

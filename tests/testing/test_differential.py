@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from kvfsm.core import CoreConfig, Mode
+from kvfsm.fabric import UcxErrorHandling
 from kvfsm.sim import Cluster
 
 pytestmark = pytest.mark.nixl
@@ -36,7 +37,7 @@ _CONFIG = CoreConfig(
 _WHAT = ("plain", "no-kv", "abort-p-early", "abort-d-early", "abort-d-registered")
 
 
-_UCX_ERRORS = "none"
+_UCX_ERRORS: UcxErrorHandling = "none"
 """UCX's error handling on the real fabric here: with "none" it moves everything over shared
 memory on one host, and TCP stays out (`_no_tcp`)."""
 
@@ -152,7 +153,7 @@ def test_sim_and_nixl_agree(
             d_tp=tp[1],
             d_block_size=4 * ratio,
             fabric=fabric,
-            ucx_error_handling=_UCX_ERRORS,  # type: ignore[arg-type]
+            ucx_error_handling=_UCX_ERRORS,
         )
         try:
             outcomes.append(_play(cluster, ops))

@@ -81,6 +81,6 @@ def test_every_model_transition_is_taken() -> None:
         for machine in MACHINES:
             run_state_machine_as_test(machine)
     for mode in ("push", "pull"):
-        run_tour(mode)  # type: ignore[arg-type]
+        run_tour(mode)
     untaken = untaken_transitions()
     assert not untaken, "never taken:\n" + "\n".join(" ".join(edge) for edge in untaken)

@@ -222,7 +222,12 @@ def test_a_bug_fails_the_load_safely_and_vllm_gets_every_block_back(
         raise RuntimeError("planted bug")
 
     monkeypatch.setattr(cls, command, planted)
-    bounds = {"stall_s": 0.5, "producer_stall_s": 1.0, "watchdog_s": 1.0, "fence_s": 1.0}
+    bounds: dict[str, Any] = {
+        "stall_s": 0.5,
+        "producer_stall_s": 1.0,
+        "watchdog_s": 1.0,
+        "fence_s": 1.0,
+    }
     with (
         caplog.at_level(logging.ERROR, logger="vllm.kvfsm"),
         pair(model_dir, mode, "recompute", d_extra=bounds, **bounds) as e,
@@ -247,7 +252,9 @@ def test_a_bug_fails_the_load_safely_and_vllm_gets_every_block_back(
 
 def test_prometheus_metrics_count_what_the_stats_carry(model_dir: Path) -> None:
     registry = CollectorRegistry()
-    types = {t: functools.partial(t, registry=registry) for t in (Counter, Gauge, Histogram)}
+    types: dict[type, Any] = {
+        t: functools.partial(t, registry=registry) for t in (Counter, Gauge, Histogram)
+    }
     config = make_vllm_config(
         model_dir,
         {

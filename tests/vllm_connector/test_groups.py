@@ -89,7 +89,7 @@ def test_p_moves_exactly_the_sliding_blocks_vllm_gives_d_at_every_length(window:
     manager = SimpleNamespace(sliding_window=window, extra_retained_tokens=0)
     for tokens in range(1, 400):
         blocks = -(-tokens // 32)
-        skipped = SlidingWindowManager.get_num_skipped_tokens(manager, tokens) // 32  # type: ignore[arg-type]
+        skipped = SlidingWindowManager.get_num_skipped_tokens(manager, tokens) // 32
         p_ids = list(range(100, 100 + blocks))  # P freed nothing yet
         d_ids = list(range(200 + skipped, 200 + blocks))  # vLLM allocates no skipped block
         p_cut, d_cut = (groups.cut((ids, ids), tokens)[0] for ids in (p_ids, d_ids))

@@ -171,7 +171,7 @@ _BACKENDS: dict[str, tuple[KVCacheLayout, ...] | None] = {
 
 def _resolved(declared: tuple[KVCacheLayout, ...] | None) -> KVCacheLayout:
     backend = SimpleNamespace(supported_kv_cache_layouts=lambda: declared)
-    supported = [x.name for x in get_supported_kv_cache_layouts([backend])]  # type: ignore[list-item]
+    supported = [x.name for x in get_supported_kv_cache_layouts([backend])]
     transfer = KVTransferConfig(
         kv_connector="KvfsmConnector",
         kv_connector_module_path="kvfsm.vllm",
@@ -180,7 +180,7 @@ def _resolved(declared: tuple[KVCacheLayout, ...] | None) -> KVCacheLayout:
     config = SimpleNamespace(
         cache_config=SimpleNamespace(kv_cache_layout=None), kv_transfer_config=transfer
     )
-    return resolve_kv_cache_layout(config, [supported])  # type: ignore[arg-type]
+    return resolve_kv_cache_layout(config, [supported])
 
 
 @pytest.mark.parametrize("backend", list(_BACKENDS))

@@ -3,7 +3,7 @@ exception), block ids pack as little-endian int32, and request ids lose their pe
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import numpy as np
@@ -19,6 +19,7 @@ from kvfsm.wire import (
     Failure,
     Grant,
     Heartbeat,
+    Message,
     Progress,
     Registration,
     WireError,
@@ -30,10 +31,10 @@ from kvfsm.wire import (
 )
 
 TYPES = (Registration, Grant, Progress, Completion, Failure, Cancel, CancelAck, Heartbeat)
-COMMON = {"request_id": "req-1-0123abcd", "sender_request_id": "req-1-89abcdef"}
+COMMON: dict[str, Any] = {"request_id": "req-1-0123abcd", "sender_request_id": "req-1-89abcdef"}
 COMMON |= {"rank": 3, "tp_size": 8}
 BLOCKS = pack_blocks([0, 1, 7, 2**31 - 1])
-MESSAGES = [
+MESSAGES: list[Message] = [
     Registration(**COMMON, engine_id="engine-é", block_ids=BLOCKS, deadline=1234.5),
     Registration(**COMMON, engine_id="", block_ids=b"", deadline=0.0),
     Grant(**COMMON, block_ids=BLOCKS, deadline=-1.0),
@@ -164,7 +165,7 @@ def test_rejected_payloads_differ_only_in_the_field_under_test() -> None:
     assert isinstance(grant, Grant) and grant.block_ids == b"\0" * 8
     assert decode(raw(**other("fail", reason="oops"))) == Failure(**COMMON, reason="oops")
     assert decode(raw(**hb(request_ids=["wxyz"]))) == Heartbeat(request_ids=["wxyz"], rank=0)
-    assert decode(raw(**reg(request_id="abcd"))).request_id == "abcd"
+    assert cast(Registration, decode(raw(**reg(request_id="abcd")))).request_id == "abcd"
     assert decode(raw(**reg(rank=0))).rank == 0
 
 
@@ -179,7 +180,7 @@ def test_size_limit_boundary() -> None:
     room = MAX_MESSAGE_BYTES - base
     exact = sized((1 << 19) + room - room % 4, room % 4)
     assert len(exact) == MAX_MESSAGE_BYTES
-    assert len(decode(exact).block_ids) == (1 << 19) + room - room % 4
+    assert len(cast(Registration, decode(exact)).block_ids) == (1 << 19) + room - room % 4
     with pytest.raises(WireError, match="exceeds"):
         decode(sized((1 << 19) + room - room % 4 + 4, room % 4))
 
