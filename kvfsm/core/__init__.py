@@ -3,10 +3,18 @@
 No threads, sockets, NIXL, sleeps or wall clock here: time is an input to `handle`.
 """
 
-from kvfsm.core._config import CoreConfig, Identity, Mode, agent_name, paired_ranks
+from kvfsm.core._config import (
+    CoreConfig,
+    Identity,
+    Mode,
+    agent_name,
+    check_tp_sizes,
+    paired_ranks,
+)
 from kvfsm.core._consumer import Consumer, ProducerLink
 from kvfsm.core._containment import short_trace
 from kvfsm.core._dispatch import Deadlines, Step, StepFailed
+from kvfsm.core._implemented import implementations
 from kvfsm.core._io import (
     Abort,
     Admit,
@@ -79,6 +87,8 @@ __all__ = [
     "TransferResult",
     "TransferTally",
     "agent_name",
+    "check_tp_sizes",
+    "implementations",
     "paired_ranks",
     "short_trace",
 ]

@@ -7,7 +7,7 @@ from typing import Literal
 
 import msgspec
 
-__all__ = ["CoreConfig", "Identity", "Mode", "agent_name", "paired_ranks"]
+__all__ = ["CoreConfig", "Identity", "Mode", "agent_name", "check_tp_sizes", "paired_ranks"]
 
 Mode = Literal["push", "pull"]
 
@@ -90,14 +90,19 @@ def agent_name(engine_id: str, rank: int) -> str:
 
 
 @functools.cache
+def check_tp_sizes(tp_size: int, peer_tp_size: int) -> None:
+    """ValueError unless one side's TP size divides the other's: the engines' one rule for which
+    TP sizes can pair (a rank then exchanges KV with whole ranks of the peer)."""
+    if tp_size < 1 or peer_tp_size < 1 or max(tp_size, peer_tp_size) % min(tp_size, peer_tp_size):
+        raise ValueError(f"TP sizes {tp_size} (ours) and {peer_tp_size} (the peer's) do not divide")
+
+
 def paired_ranks(rank: int, tp_size: int, peer_tp_size: int) -> range:
     """The peer ranks a rank exchanges KV with: several when the peer has more ranks (each holds a
     slice of this rank's heads), else the one peer rank holding this rank's heads."""
     if tp_size < 1 or peer_tp_size < 1 or not 0 <= rank < tp_size:
         raise ValueError(f"bad TP geometry: rank {rank} of {tp_size}, peer TP {peer_tp_size}")
-    big, small = max(tp_size, peer_tp_size), min(tp_size, peer_tp_size)
-    if big % small:
-        raise ValueError(f"TP sizes {tp_size} and {peer_tp_size} do not divide")
+    check_tp_sizes(tp_size, peer_tp_size)
     if peer_tp_size >= tp_size:
         k = peer_tp_size // tp_size
         return range(rank * k, rank * k + k)

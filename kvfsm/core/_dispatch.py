@@ -13,7 +13,7 @@ import itertools
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 from kvfsm.core._deadlines import Deadlines
 from kvfsm.lifecycle import Lifecycle, protocol_error
@@ -192,6 +192,11 @@ def _choose(rules: tuple[_Rule, ...], inst: Any, seen: dict[str, bool]) -> _Rule
 _NamedRule = tuple[tuple[tuple[str, str, bool], ...], str, tuple[str, ...], tuple[str, ...], bool]
 
 
+def method_name(prefix: str, kind: Literal["guard", "command"], name: str) -> str:
+    """The owner's method that implements guard or command `name` under `prefix`."""
+    return f"{prefix}{'guard' if kind == 'guard' else 'cmd'}_{name}"
+
+
 class _Names:
     """A lifecycle's table for one prefix, keyed by (state, event), methods as names; and the
     owner classes known to implement every one."""
@@ -200,9 +205,9 @@ class _Names:
         self.rules: dict[tuple[str, str], tuple[_NamedRule, ...]] = {
             (state, event): tuple(
                 (
-                    tuple((g, f"{prefix}guard_{g}", want) for g, want in r.guards),
+                    tuple((g, method_name(prefix, "guard", g), want) for g, want in r.guards),
                     r.dest,
-                    tuple(f"{prefix}cmd_{c}" for c in r.commands),
+                    tuple(method_name(prefix, "command", c) for c in r.commands),
                     r.commands,
                     r.dest in lifecycle.terminal,
                 )

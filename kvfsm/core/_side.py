@@ -41,9 +41,11 @@ from kvfsm.core._tombstones import Tombstones
 from kvfsm.lifecycle import LocalProtocolError, ProtocolError, RemoteProtocolError, load
 from kvfsm.wire import BlockIds, Message, WireError, decode, encode
 
-__all__ = ["MAX_PEERS", "Side", "SideSnapshot"]
+__all__ = ["MAX_PEERS", "MODEL_PREFIXES", "Side", "SideSnapshot"]
 
 _MAX_ERRORS_KEPT = 64
+MODEL_PREFIXES = {"request": "_req_", "peer": "_peer_", "transfer": "_tally_"}
+"""The prefix of the methods that implement each kind of lifecycle's guards and commands."""
 _MAX_OUTBOX = 256  # replies queued for one peer that is not connected yet
 MAX_PEERS = 4096
 """Peers a side remembers; past it, inert ones (never connected, failed or evicted; unused) go."""
@@ -97,10 +99,10 @@ class Side:
         self._alive_fn: Callable[[Any], bool] = self._alive  # bound once, not per event
         self._next_transfer_id = 0
         self._transfers: dict[int, tuple[str, str]] = {}  # transfer id -> (request, peer agent)
-        self._req = Dispatcher(load(f"{role}_{mode}"), self, "_req_", self.side)
+        self._req = Dispatcher(load(f"{role}_{mode}"), self, MODEL_PREFIXES["request"], self.side)
         self._req.on_terminal = self._on_request_ended
-        self._peer = Dispatcher(load("peer"), self, "_peer_", self.side)
-        self._tally = Dispatcher(load("transfer"), self, "_tally_", self.side)
+        self._peer = Dispatcher(load("peer"), self, MODEL_PREFIXES["peer"], self.side)
+        self._tally = Dispatcher(load("transfer"), self, MODEL_PREFIXES["transfer"], self.side)
         self._handlers: dict[type, Callable[[Any], None]] = {
             Abort: self._on_abort,
             Tick: self._on_tick,

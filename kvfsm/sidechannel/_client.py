@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import zmq
 
-from kvfsm.core import agent_name
+from kvfsm.core import agent_name, check_tp_sizes
 from kvfsm.layout import KvGeometry
 from kvfsm.runtime import HandshakeError, plan_route
 from kvfsm.sidechannel._clock import clock_offset
@@ -169,18 +169,10 @@ def validate(
     if expect_mode is not None and p.mode != expect_mode:
         problems.append(f"mode mismatch: we run {expect_mode!r}, peer runs {p.mode!r}")
     if local is not None:
-        if not _divides(local.tp_size, g.tp_size):
-            problems.append(
-                f"TP sizes {local.tp_size} (ours) and {g.tp_size} (peer's) do not divide"
-            )
-        else:
-            try:
-                plan_route(local, g, local_is_p=local_is_p)
-            except ValueError as exc:
-                problems.append(str(exc))
+        try:
+            check_tp_sizes(local.tp_size, g.tp_size)
+            plan_route(local, g, local_is_p=local_is_p)
+        except ValueError as exc:
+            problems.append(str(exc))
     if problems:
         raise HandshakeError(f"bad handshake payload from {p.agent!r}: " + "; ".join(problems))
-
-
-def _divides(a: int, b: int) -> bool:
-    return a > 0 and b > 0 and max(a, b) % min(a, b) == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 import shutil
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from kvfsm.cli.diagrams._generate import (
     render_mermaid,
     write_diagrams,
 )
+from kvfsm.core import Producer, implementations
 from kvfsm.lifecycle import (
     MODEL_NAMES,
     STAY,
@@ -286,3 +288,40 @@ def test_write_renders_svg_elsewhere(tmp_path: Path) -> None:
     assert [p.stem for p in svgs] == sorted(MODEL_NAMES)
     assert all(p.parent == tmp_path / "svg" and b"<svg" in p.read_bytes() for p in svgs)
     assert check_diagrams(tmp_path / "diagrams") == []
+
+
+def test_every_guard_and_command_names_the_method_that_implements_it() -> None:
+    """The "implemented by" cells resolve to the very functions the core's dispatcher binds."""
+    for model in MODELS:
+        page = render_mermaid(model).split("## Guards", 1)[-1].split("## Transitions", 1)[0]
+        for name in [*(g.name for g in model.guards), *(c.name for c in model.commands)]:
+            row = next(r for r in page.splitlines() if r.startswith(f"| `{name}` |"))
+            cells = re.findall(r"`([a-z_/]+\.py):([\w.]+)`", row)
+            assert cells, row
+            for path, qualname in cells:
+                module = importlib.import_module(
+                    "kvfsm." + path.removesuffix(".py").replace("/", ".")
+                )
+                target: object = module
+                for part in qualname.split("."):
+                    target = getattr(target, part)
+                assert target in implementations(model)[name]
+
+
+def test_a_moved_implementation_makes_the_pages_stale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_diagrams(tmp_path)
+
+    def _req_guard_consumer_released(self: Producer, req: object) -> bool:
+        return False
+
+    monkeypatch.setattr(Producer, "_req_guard_consumer_released", _req_guard_consumer_released)
+    stale = check_diagrams(tmp_path)
+    assert any("producer_push.md" in p for p in stale) and all("stale" in p for p in stale)
+
+
+def test_a_model_name_without_a_method_fails_generation(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(Producer, "_req_cmd_note_release")
+    with pytest.raises(AttributeError, match="note_release"):
+        generate(Path("unused"))

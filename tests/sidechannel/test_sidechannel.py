@@ -461,7 +461,7 @@ def test_validate_lists_every_problem() -> None:
         validate(bad, expect_mode="push", local=_d(tp_size=3, num_kv_heads=9))
     text = str(info.value)
     assert "1 base addresses for 32 regions" in text and "mode mismatch" in text
-    assert "TP sizes 3 (ours) and 2 (peer's) do not divide" in text
+    assert "TP sizes 3 (ours) and 2 (the peer's) do not divide" in text
 
 
 @pytest.mark.parametrize(

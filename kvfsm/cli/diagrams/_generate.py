@@ -8,6 +8,9 @@ deterministic: the same model gives byte-identical text, whatever the machine.
 SVGs are not committed: their bytes depend on the Graphviz version, so no check could tell a
 stale one from another version's rendering, and CI has no Graphviz. The forges render the
 Mermaid pages; the DOT files serve any other tool, and `kvfsm diagrams --svg DIR` renders them.
+
+The pages' guard and command tables say which method implements each name, as the core's
+dispatcher binds it (`kvfsm.core.implementations`): moving one makes the pages stale.
 """
 
 from __future__ import annotations
@@ -15,8 +18,11 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from kvfsm.core import implementations
 from kvfsm.lifecycle import MODEL_NAMES, STAY, LifecycleModel, TransitionSpec, load
 
 __all__ = ["check_diagrams", "generate", "render_dot", "render_mermaid", "write_diagrams"]
@@ -155,13 +161,22 @@ def _model_tables(model: LifecycleModel) -> list[str]:
         ["event", "origin (whose fault when illegal)", "description"],
         [[_md_code(e.name), e.origin.value, _md_cell(e.description)] for e in model.events],
     )
-    for title, specs in (("Guards", model.guards), ("Commands", model.commands)):
+    # A model the core does not run (a test's) has no implementation to name.
+    implemented = implementations(model) if model.machine.name in MODEL_NAMES else None
+    sections: list[tuple[str, list[tuple[str, str]]]] = [
+        ("Guards", [(g.name, g.description) for g in model.guards]),
+        ("Commands", [(c.name, c.description) for c in model.commands]),
+    ]
+    for title, specs in sections:
         if specs:
             out += [f"## {title}", ""]
-            out += _md_table(
-                [title[:-1].lower(), "description"],
-                [[_md_code(s.name), _md_cell(s.description)] for s in specs],
-            )
+            header = [title[:-1].lower(), "description"]
+            rows = [[_md_code(name), _md_cell(text)] for name, text in specs]
+            if implemented is not None:
+                header.append("implemented by")
+                for row, (name, _) in zip(rows, specs, strict=True):
+                    row.append(", ".join(_md_code(_where(f)) for f in implemented[name]))
+            out += _md_table(header, rows)
     out += ["## Transitions", ""]
     out += _md_table(
         ["trigger", "from", "to", "guards", "commands", "note"],
@@ -178,6 +193,13 @@ def _model_tables(model: LifecycleModel) -> list[str]:
         ],
     )
     return out
+
+
+def _where(function: Callable[..., Any]) -> str:
+    """`core/_side.py:Side._req_cmd_x`: the file under kvfsm/ and the qualified name, no line
+    numbers, so a page changes only when the code it names moves."""
+    module = function.__module__.removeprefix("kvfsm.").replace(".", "/")
+    return f"{module}.py:{function.__qualname__}"
 
 
 def _dot_str(text: str) -> str:
