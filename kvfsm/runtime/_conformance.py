@@ -36,6 +36,11 @@ class Conformance:
         self.on_divergence = on_divergence
         self._answers: dict[_Key, tuple[str, list[str]]] = {}
 
+    def share_answers(self, answers: dict[_Key, tuple[str, list[str]]]) -> None:
+        """Cache what the `transitions` machines answer in `answers`, shared with other checkers:
+        the answers depend on the models only, so a search's many runs ask each question once."""
+        self._answers = answers
+
     def record(self, step: Step) -> None:
         """Check one step (installed with `Side.set_recorder`)."""
         self.steps += 1

@@ -3,6 +3,7 @@ geometries, the descriptor lists prepared for it, and the rows a request's block
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 from kvfsm.fabric import DlistHandle, Fabric
@@ -59,9 +60,13 @@ class Route(NamedTuple):
         return local_map(d_units), remote_map(p_units)
 
 
+@functools.lru_cache(maxsize=256)
 def plan_route(local: KvGeometry, peer: KvGeometry, *, local_is_p: bool) -> Route:
     """The pairing of this rank with the peer rank `peer` (from its handshake); ValueError saying
-    why when their KV caches cannot exchange blocks."""
+    why when their KV caches cannot exchange blocks.
+
+    Planned once per pair of geometries: the handshake plans it to validate the peer's answer,
+    and the engine that then connects gets the same route, unprepared, from the cache."""
     plan = plan_pairings(local, peer, local_receives=not local_is_p)
     if peer.tp_rank not in plan.partners:
         raise ValueError(

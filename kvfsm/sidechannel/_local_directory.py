@@ -64,20 +64,13 @@ class LocalDirectory:
         )
 
     def fail_next(self, peer: str, times: int = 1) -> None:
-        """Make the next `times` handshakes with `peer` (to start, or to look it up) fail."""
+        """Make the next `times` handshakes with `peer` fail."""
         self._failures[peer] += times
 
     def hang_next(self, peer: str, times: int = 1, seconds: float = 60.0) -> None:
         """Make the next `times` handshakes with `peer` answer only after `seconds`."""
         self._hangs[peer] += times
         self._hang_s[peer] = seconds
-
-    def lookup(self, peer: str) -> PeerInfo:
-        """`peer`'s information, or `HandshakeError` if it is unknown or a failure is scripted."""
-        if self._failures[peer] > 0:
-            self._failures[peer] -= 1
-            raise HandshakeError(f"handshake with {peer!r} failed (injected)")
-        return self._answer(peer)
 
     def _answer(self, peer: str) -> PeerInfo:
         info = self._engines.get(peer)

@@ -140,6 +140,8 @@ class Cluster:
         self.requests: dict[str, PairedRequest] = {}
         self.ledger = Ledger(self)
         self.on_finished: Callable[[str, Finished], None] | None = None
+        self.output_listeners: list[Callable[[str, CallerOutput], None]] = []
+        """Called with (agent, output) for every caller output, before the ledger checks it."""
         self._free = {"P": list(range(num_blocks)), "D": list(range(num_blocks))}
         for rank in range(p_tp):
             self._start("P", rank)
@@ -344,6 +346,8 @@ class Cluster:
         for agent, engine in self.engines.items():
             if agent not in self.dead:
                 for output in engine.take_outputs():
+                    for listener in self.output_listeners:
+                        listener(agent, output)
                     self._on_output(agent, output)
         self.ledger.check_posts()
 

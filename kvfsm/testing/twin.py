@@ -69,15 +69,14 @@ class TwinMachine(RuleBasedStateMachine):
 
     def _listen(self, cluster: Cluster, name: str) -> None:
         """Record what the caller (vLLM) is told of each request, in order."""
-        told, on_output = self.told[name], cluster._on_output
+        told = self.told[name]
 
         def record(agent: str, out: Any) -> None:
             pr = cluster.ledger.request_of(agent, getattr(out, "request_id", ""))
             if pr is not None and isinstance(out, _TOLD):
                 told.append((pr.key, agent, type(out).__name__, len(out.blocks)))
-            on_output(agent, out)
 
-        cluster._on_output = record  # type: ignore[method-assign]
+        cluster.output_listeners.append(record)
 
     # --- rules -------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import kvfsm
 
@@ -52,8 +53,13 @@ def _defined_private_names(tree: ast.AST) -> Iterator[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             yield node.name
-        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-            yield node.attr
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in ("self", "cls")
+        ):
+            yield node.attr  # an attribute of its own; a store into another object's is a reach
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             yield node.id
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
@@ -96,8 +102,12 @@ def _violations(where: str, package: str, source: str, own: set[str]) -> Iterato
                 continue
             if node.attr not in own and node.attr not in _ALLOWED:
                 yield f"{where}:{node.lineno} reads {ast.unparse(node)}"
-        elif _reads_by_name(node) and node.args[1].value not in own:  # type: ignore[attr-defined]
+        elif isinstance(node, ast.Call) and _reads_by_name(node) and _name_read(node) not in own:
             yield f"{where}:{node.lineno} reads {ast.unparse(node)}"
+
+
+def _name_read(call: ast.Call) -> object:
+    return cast(ast.Constant, call.args[1]).value
 
 
 def _reads_by_name(node: ast.AST) -> bool:
