@@ -27,7 +27,8 @@ from kvfsm.fabric._protocol import (
     XferTelemetry,
 )
 from kvfsm.fabric._sim import SimFabric, SimNetwork
-from kvfsm.fabric._sim_faults import NetworkSnapshot, SimFaults, SimStats
+from kvfsm.fabric._sim_clock import NetworkSnapshot
+from kvfsm.fabric._sim_faults import SimFaults, SimStats
 
 __all__ = [
     "TCP_DRAIN_SLACK_S",

@@ -35,7 +35,8 @@ from kvfsm.fabric._protocol import (
     XferState,
     XferTelemetry,
 )
-from kvfsm.fabric._sim_faults import SimFaults, _Completion, _FaultyClock, _LateBytes, _Notif
+from kvfsm.fabric._sim_clock import _Completion, _FaultyClock, _LateBytes, _Notif
+from kvfsm.fabric._sim_faults import SimFaults
 from kvfsm.fabric._sim_rows import (
     I64,
     META_KIND,

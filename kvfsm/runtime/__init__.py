@@ -1,15 +1,10 @@
-"""The runtime: engines that drive the core and execute its commands on a fabric."""
+"""The runtime: engines that drive the core and execute its commands on a fabric, and the
+handshake contract (`PeerInfo`, `HandshakeError`, `Directory`) the side channel implements."""
 
 from kvfsm.runtime._conformance import Conformance
-from kvfsm.runtime._engine import (
-    CallerOutput,
-    Directory,
-    Engine,
-    HandshakeError,
-    InFlight,
-    PeerInfo,
-)
+from kvfsm.runtime._engine import CallerOutput, Engine, InFlight
 from kvfsm.runtime._guests import MAX_GUESTS, Guests
+from kvfsm.runtime._handshake import Directory, HandshakeError, PeerInfo
 from kvfsm.runtime._kv import KvCache
 from kvfsm.runtime._loop import EngineLoop
 from kvfsm.runtime._routes import Route, plan_route

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 
@@ -39,50 +39,21 @@ from kvfsm.core import (
     short_trace,
 )
 from kvfsm.fabric import Fabric, FabricError, RemoteDisconnectedError, XferHandle
-from kvfsm.layout import Int64Array, RegionLayout, coalesce
+from kvfsm.layout import Int64Array, coalesce
 from kvfsm.runtime._conformance import Conformance
 from kvfsm.runtime._guests import Guests
+from kvfsm.runtime._handshake import Directory, HandshakeError, PeerInfo
 from kvfsm.runtime._kv import KvCache
 from kvfsm.runtime._routes import Route, plan_route, prepare_route
 from kvfsm.runtime._seals import Seals, new_epoch
 from kvfsm.runtime._trace import RequestTrace, TransferStats, trace_of
 from kvfsm.wire import SharedSecret
 
-__all__ = ["CallerOutput", "Directory", "Engine", "HandshakeError", "InFlight", "PeerInfo"]
+__all__ = ["CallerOutput", "Engine", "InFlight"]
 
 CallerOutput = (
     ReleaseBlocks | ReportReceived | ReportFailed | Finished | RequestTrace | InternalError
 )
-
-
-class PeerInfo(msgspec.Struct, frozen=True):
-    """What a handshake learns about a peer rank: its agent, where its KV regions are, its
-    clock (the peer's clock minus ours, within `clock_error` seconds) and which process
-    answered (`incarnation`, 0: unknown)."""
-
-    agent: str
-    metadata: bytes
-    layout: RegionLayout
-    clock_offset: float = 0.0
-    clock_error: float = 0.0
-    incarnation: int = 0
-
-
-class HandshakeError(Exception):
-    """A handshake failed; the message says why."""
-
-
-class Directory(Protocol):
-    """How an engine reaches its peers' handshake information (asynchronously: a real side channel
-    runs handshakes off the engine's thread)."""
-
-    def start(self, peer: str, contact: str = "") -> None:
-        """Begin a handshake with `peer`, at `contact` ("host:port") if the core learned one."""
-        ...
-
-    def results(self) -> list[tuple[str, PeerInfo | HandshakeError]]:
-        """Handshakes finished since the last call: the peer's information or why it failed."""
-        ...
 
 
 class InFlight(msgspec.Struct):
