@@ -34,7 +34,7 @@ from kvfsm.wire import (
     encode,
     pack_blocks,
 )
-from tests.core.test_core import (
+from tests.core.fixtures import (
     MODES,
     Outputs,
     admit_d_only,

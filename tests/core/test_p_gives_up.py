@@ -10,7 +10,7 @@ import pytest
 
 from kvfsm.core import Mode, ReportFailed
 from kvfsm.sim import Cluster
-from tests.core.test_core import MODES, Outputs, config, run_until, settled, state
+from tests.core.fixtures import MODES, Outputs, config, run_until, settled, state
 
 SLOW_WATCHDOG = config(watchdog_s=10.0, producer_stall_s=10.0, fence_s=3.0, lease_s=1.0)
 """Bounds far beyond a notification round trip (the simulated fabric's take microseconds)."""

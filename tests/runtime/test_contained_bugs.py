@@ -29,7 +29,7 @@ from kvfsm.core import (
 )
 from kvfsm.runtime import Engine, EngineLoop
 from kvfsm.sim import Cluster
-from tests.core.test_core import MODES, Outputs, settled
+from tests.core.fixtures import MODES, Outputs, settled
 
 
 def _plant(

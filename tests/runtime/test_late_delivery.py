@@ -23,7 +23,7 @@ from kvfsm.fabric import (
 from kvfsm.runtime import Engine, KvCache
 from kvfsm.sidechannel import LocalDirectory
 from kvfsm.sim import FAST_CONFIG, SMALL_GEOMETRY, Cluster
-from tests.core.test_core import MODES, Outputs, run, run_until, settled, warm
+from tests.core.fixtures import MODES, Outputs, run, run_until, settled, warm
 
 LATE = 0.5
 TCP = SimFaults(transfer_latency=0.01, late_delivery=LATE)

@@ -34,42 +34,7 @@ from kvfsm.sidechannel import (
     validate,
 )
 from kvfsm.testing import free_port
-
-HOST = "127.0.0.1"
-WIRE = 1
-GEOMETRY = KvGeometry(
-    num_layers=32,
-    num_kv_heads=8,
-    head_dim=128,
-    dtype_bytes=2,
-    block_size=16,
-    num_blocks=1024,
-    tp_size=2,
-)
-HASH = compat_hash(
-    wire_version=WIRE, mode="push", model="llama-3-8b", dtype="bfloat16", geometry=GEOMETRY
-)
-SAFETY_S = 10.0  # bounds every wait in this file; never reached when things work
-
-
-def _payload(engine_id: str = "prefill", rank: int = 0, **changes: object) -> HandshakePayload:
-    g = GEOMETRY.for_rank(rank)
-    base = HandshakePayload(
-        engine_id=engine_id,
-        agent=f"{engine_id}#{rank}",
-        agent_metadata=b"nixl-metadata-" + engine_id.encode(),
-        geometry=g,
-        base_addresses=tuple(0x7F0000000000 + (rank * 64 + i) * g.region_bytes for i in range(32)),
-        block_lens=(g.block_len,) * 32,
-        mode="push",
-        wire_version=WIRE,
-        compat_hash=HASH,
-        incarnation=1_700_000_000_000_000_000 + rank,  # the process, as `new_epoch` names it
-    )
-    return msgspec.structs.replace(base, **changes)
-
-
-PAYLOADS = {p.agent: p for p in (_payload(rank=0), _payload(rank=1))}
+from tests.sidechannel.fixtures import GEOMETRY, HASH, HOST, PAYLOADS, SAFETY_S, WIRE, payload
 
 
 @pytest.fixture
@@ -127,7 +92,7 @@ def _raw_server(reply: bytes) -> Iterator[int]:
 def test_codec_round_trips_and_rejects_garbage() -> None:
     request = HandshakeRequest("prefill#0", WIRE, HASH)
     assert decode_request(encode(request)) == request
-    for reply in (HandshakeAccepted(_payload(), 1.0, 1.5), HandshakeRefused("no")):
+    for reply in (HandshakeAccepted(payload(), 1.0, 1.5), HandshakeRefused("no")):
         assert decode_reply(encode(reply)) == reply
     with pytest.raises(SidechannelError, match="not a kvfsm handshake frame"):
         decode_request(b"GET / HTTP/1.1")
@@ -172,7 +137,7 @@ def test_compat_hash_is_stable_and_covers_what_must_be_equal() -> None:
 # --- client and listener -------------------------------------------------------------------------
 
 
-def test_handshake_returns_the_payload(listener: HandshakeListener) -> None:
+def test_handshake_returns_thepayload(listener: HandshakeListener) -> None:
     assert _fetch(listener.port, "prefill#1") == PAYLOADS["prefill#1"]
     assert listener.counters == {"accepted": 1}
 
@@ -206,10 +171,10 @@ def test_wire_version_mismatch_is_refused(listener: HandshakeListener) -> None:
 @pytest.mark.parametrize(
     ("served", "match"),
     [
-        (_payload("other"), "engine id mismatch: asked for 'prefill', got 'other'"),
-        (_payload(rank=1), "agent mismatch: asked for 'prefill#0', got 'prefill#1'"),
-        (_payload(rank=1, agent="prefill#0"), "inconsistent payload"),
-        (_payload(compat_hash="cd" * 32, wire_version=2), "wire version mismatch"),
+        (payload("other"), "engine id mismatch: asked for 'prefill', got 'other'"),
+        (payload(rank=1), "agent mismatch: asked for 'prefill#0', got 'prefill#1'"),
+        (payload(rank=1, agent="prefill#0"), "inconsistent payload"),
+        (payload(compat_hash="cd" * 32, wire_version=2), "wire version mismatch"),
     ],
 )
 def test_client_checks_what_a_faulty_listener_sends(served: HandshakePayload, match: str) -> None:
@@ -221,8 +186,8 @@ def test_client_checks_what_a_faulty_listener_sends(served: HandshakePayload, ma
         _fetch(port)
 
 
-def test_client_checks_the_hash_of_the_payload() -> None:
-    served = _payload(compat_hash="cd" * 32)
+def test_client_checks_the_hash_of_thepayload() -> None:
+    served = payload(compat_hash="cd" * 32)
     with (
         _raw_server(encode(HandshakeAccepted(served, 1.0, 1.5))) as port,
         pytest.raises(HandshakeError, match="compat hash mismatch") as info,
@@ -409,7 +374,7 @@ def test_directory_checks_payloads(listener: HandshakeListener) -> None:
 
 
 def test_directory_turns_bad_geometry_into_a_result() -> None:
-    bad = _payload(block_lens=(4096,) * 32)
+    bad = payload(block_lens=(4096,) * 32)
     with (
         HandshakeListener({bad.agent: bad}.get) as served,
         ZmqDirectory({bad.agent: (HOST, served.port)}, compat_hash=HASH, wire_version=WIRE) as d,
@@ -450,13 +415,13 @@ def _d(**changes: object) -> KvGeometry:
 
 
 def test_validate_accepts_compatible_geometry() -> None:
-    validate(_payload(), expect_mode="push", local=_d(), local_is_p=False)
-    validate(_payload(rank=1), local=_d(tp_rank=3, split_kv=True))  # K/V split may differ
-    validate(_payload(), local=GEOMETRY.for_rank(0), local_is_p=True)
+    validate(payload(), expect_mode="push", local=_d(), local_is_p=False)
+    validate(payload(rank=1), local=_d(tp_rank=3, split_kv=True))  # K/V split may differ
+    validate(payload(), local=GEOMETRY.for_rank(0), local_is_p=True)
 
 
 def test_validate_lists_every_problem() -> None:
-    bad = _payload(base_addresses=(0x1000,), mode="pull")
+    bad = payload(base_addresses=(0x1000,), mode="pull")
     with pytest.raises(HandshakeError) as info:
         validate(bad, expect_mode="push", local=_d(tp_size=3, num_kv_heads=9))
     text = str(info.value)
@@ -482,10 +447,10 @@ def test_validate_refuses_geometry_that_cannot_pair(
     local: KvGeometry, local_is_p: bool, match: str
 ) -> None:
     with pytest.raises(HandshakeError, match=match):
-        validate(_payload(rank=0), local=local, local_is_p=local_is_p)
+        validate(payload(rank=0), local=local, local_is_p=local_is_p)
 
 
 def test_validate_refuses_overlapping_regions() -> None:
     bases = (0x10000,) * 32
     with pytest.raises(HandshakeError, match="overlap"):
-        validate(_payload(base_addresses=bases))
+        validate(payload(base_addresses=bases))

@@ -24,7 +24,7 @@ from kvfsm.sidechannel import (
     fetch_peer,
 )
 from kvfsm.wire import SharedSecret
-from tests.sidechannel.test_sidechannel import HASH, HOST, PAYLOADS, SAFETY_S, WIRE
+from tests.sidechannel.fixtures import HASH, HOST, PAYLOADS, SAFETY_S, WIRE
 
 SECRET = SharedSecret(b"a-deployment-secret-0123456789")
 OTHER = SharedSecret(b"another-deployment-secret-99")
