@@ -28,11 +28,11 @@ def main() -> None:
     results: dict[str, dict[int, dict[str, float]]] = {}
     for mode in ("push", "pull"):
         results[mode] = {
-            n: control_bench(mode, n, max(args.total, n), args.repeat, conformance=args.conformance)  # type: ignore[arg-type]
+            n: control_bench(mode, n, max(args.total, n), args.repeat, conformance=args.conformance)
             for n in args.in_flight
         }
         for n, figures in results[mode].items():
-            figures["bytes_per_request"] = round(memory_per_request(mode, n))  # type: ignore[arg-type]
+            figures["bytes_per_request"] = round(memory_per_request(mode, n))
     if args.json:
         print(json.dumps(results))
         return

@@ -17,7 +17,7 @@ import numpy as np
 from kvfsm.core import Admit, Consumer, Finished, Identity, PrefillFinished, Producer
 from kvfsm.harness import close_rank, open_rank
 from kvfsm.layout import KvGeometry
-from kvfsm.runtime import EngineLoop, KvCache
+from kvfsm.runtime import CallerOutput, EngineLoop, KvCache
 from kvfsm.sidechannel import compat_hash
 from kvfsm.wire import WIRE_VERSION
 
@@ -42,7 +42,12 @@ def _rank(side: str, secret: bytes, conn: Connection) -> None:
     )
     rank = open_rank(core, kv, compat_hash=chash, secret=secret)
     ended: queue.Queue[str] = queue.Queue()
-    loop = EngineLoop(rank.engine, lambda out: isinstance(out, Finished) and ended.put(out.state))
+
+    def on_output(out: CallerOutput) -> None:
+        if isinstance(out, Finished):
+            ended.put(out.state)
+
+    loop = EngineLoop(rank.engine, on_output)
     rank.directory.on_result = loop.wake
     loop.start()
     try:
@@ -68,7 +73,8 @@ def _rank(side: str, secret: bytes, conn: Connection) -> None:
 def main() -> int:
     secret = os.urandom(32)  # the deployment's shared secret, the same on every engine
     context = mp.get_context("spawn")
-    pipes, processes = {}, []
+    pipes: dict[str, Connection] = {}
+    processes: list[mp.context.SpawnProcess] = []
     for side in ("P", "D"):
         mine, theirs = context.Pipe()
         process = context.Process(target=_rank, args=(side, secret, theirs))
