@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import vllm_load  # type: ignore[import-not-found]  # a script: on the path above
+import vllm_load  # a script: on the path above
 
 
 def _cell(ms: float, rate: float, mismatches: int = 0) -> dict[str, Any]:
