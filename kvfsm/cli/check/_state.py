@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from kvfsm.core import SideSnapshot
 from kvfsm.fabric import FabricError
 from kvfsm.sidechannel import DirectoryView
 from kvfsm.sim import FAST_CONFIG, Cluster
@@ -107,23 +108,24 @@ def state_print(c: Cluster, faults: int, spent_actions: frozenset[tuple[str, ...
     n = Namer(c)
     network = _network_print(c, n)
     held = [repr(network)]
-    for e in c.live_engines():
+    snaps = {a: e.side.snapshot() for a, e in c.engines.items() if a not in c.dead}  # once a state
+    for a, snap in snaps.items():
+        e = c.engines[a]
         held += [*e.side.requests, *(f.request_id for f in e.inflight.values())]
-        held += [rid for _, rid, _ in e.side.snapshot().pending]
+        held += [rid for _, rid, _ in snap.pending]
         held += [rid for _, rid, _ in e.side.quarantine]
     text = n.id(" ".join(held))
     n.settled = frozenset(k for k in c.requests if f"{k}@" not in text)
-    engines = tuple(_engine_print(c, agent, n) for agent in sorted(c.engines))
+    engines = tuple(_engine_print(c, agent, n, snaps.get(agent)) for agent in sorted(c.engines))
     spent = tuple(sorted(a for a in spent_actions if n.keep(f"{a[1]}@")))
     return (engines, network, _ledger_print(c, n), faults, spent)
 
 
-def _engine_print(c: Cluster, agent: str, n: Namer) -> Hashable:
-    if agent in c.dead:
+def _engine_print(c: Cluster, agent: str, n: Namer, snap: SideSnapshot | None) -> Hashable:
+    if agent in c.dead or snap is None:
         return (agent, "dead")
     engine = c.engines[agent]
     side: Any = engine.side
-    snap = side.snapshot()
     deadlines = sorted((n.id(k), event, n.t(at)) for k, event, at in snap.deadlines)
     peers = sorted(
         (
@@ -209,7 +211,9 @@ def _request_print(r: Any, n: Namer) -> tuple[Any, ...]:
 
 def _network_print(c: Cluster, n: Namer) -> Hashable:
     events: list[Any] = []
-    for when, _, ev in pending_events(c):
+    network = c.network.snapshot()  # once: it sorts the event heap
+    ev: Any
+    for when, _, ev in network.events:
         if is_late_bytes(ev):
             x = ev.xfer
             whose = message_print(x.notif, n) if x.notif else ()  # names the request
@@ -221,7 +225,7 @@ def _network_print(c: Cluster, n: Namer) -> Hashable:
             flight = flight_of(c, ev)
             what = None if flight is None else n.id(flight.request_id)
             events.append((n.t(when), agent_of(c, ev.gen), what, ev.fail_rows is None))
-    scripted = list(c.network.snapshot().scripted_posts)
+    scripted = list(network.scripted_posts)
     failing = list(c.directory.snapshot().failing)
     guests = sorted(c.directory.guests.pairs())  # whose notifications each engine takes
     return repr((events, scripted, failing, sorted(c.dead), guests))
