@@ -1,7 +1,8 @@
 """A scenario written in code rather than a TOML file: P's WRITE completes but its completion
-notification to D is lost. D must not report blocks it cannot vouch for: it fails the request
-at its stall bound, blocks invalid, and the next request is served. Every safety property is
-checked as it runs.
+notifications to D are lost. For the first request D asks P over the side channel before its
+watchdog, hears that the WRITE completed, and reports the blocks received. For the second the
+side channel to P is cut as well: D must not report blocks it cannot vouch for, so its watchdog
+fails the request, blocks invalid. Every safety property is checked as it runs.
 
 Run: python examples/scenario_in_code.py
 """
@@ -11,21 +12,23 @@ from __future__ import annotations
 from kvfsm.cli.scenario import run_scenario, scenario_of
 
 SCENARIO = {
-    "description": "a lost completion fails the request safely; the next one is served",
-    "network": {"transfer_latency": 0.05},
+    "description": "a lost completion is recovered by asking; with no answer, never guessed",
     "engines": [{"side": "P", "mode": "push", "tp": 1}, {"side": "D", "mode": "push", "tp": 1}],
-    "requests": [{"id": "lost", "blocks": 3}, {"id": "next", "blocks": 2}],
+    "requests": [{"id": "asked", "blocks": 3}, {"id": "unanswered", "blocks": 2}],
     "timeline": [
-        {"do": "admit", "request": "lost"},
-        {"do": "finish", "request": "lost"},
-        {"do": "until", "request": "lost", "agent": "D#0", "state": "writing"},
-        {"do": "fault", "kind": "drop", "agent": "D#0"},
-        {"do": "admit", "request": "next"},
-        {"do": "finish", "request": "next"},
+        {"do": "fault", "kind": "lose", "message": "done", "agent": "D#0"},
+        {"do": "admit", "request": "asked"},
+        {"do": "finish", "request": "asked"},
+        {"do": "until", "request": "asked", "agent": "D#0", "state": "done", "within": 5.0},
+        {"do": "fault", "kind": "lose", "message": "done", "agent": "D#0"},
+        {"do": "admit", "request": "unanswered"},
+        {"do": "finish", "request": "unanswered"},
+        {"do": "until", "request": "unanswered", "agent": "D#0", "state": "writing"},
+        {"do": "fault", "kind": "side_channel_cut", "agent": "P#0"},
     ],
     "expect": [
-        {"request": "lost", "agent": "D#0", "state": ["failed", "expired"]},
-        {"request": "next", "side": "D", "state": "done"},
+        {"request": "asked", "side": "D", "state": "done"},
+        {"request": "unanswered", "agent": "D#0", "state": ["failed", "expired"]},
     ],
 }
 

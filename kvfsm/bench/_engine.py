@@ -86,7 +86,7 @@ def _rank(side: str, plan: BenchPlan, coalesce: bool, conn: Connection) -> None:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     from kvfsm.core import Consumer, CoreConfig, Identity, Producer
     from kvfsm.harness import close_rank, open_rank
-    from kvfsm.runtime import EngineLoop, KvCache
+    from kvfsm.runtime import EngineLoop, KvCache, status_answerer
     from kvfsm.sidechannel import compat_hash
     from kvfsm.wire import WIRE_VERSION
 
@@ -107,6 +107,7 @@ def _rank(side: str, plan: BenchPlan, coalesce: bool, conn: Connection) -> None:
     outputs = _Outputs()
     loop = EngineLoop(rank.engine, outputs.put)
     rank.directory.on_result = loop.wake
+    rank.listener.status = status_answerer(loop)
     loop.start()
     try:
         conn.send(("ready", rank.engine.agent, rank.listener.port))

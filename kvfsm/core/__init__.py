@@ -18,6 +18,7 @@ from kvfsm.core._implemented import implementations
 from kvfsm.core._io import (
     Abort,
     Admit,
+    AskPeer,
     CancelTransfer,
     Command,
     CommandFailed,
@@ -27,6 +28,7 @@ from kvfsm.core._io import (
     HandshakeFailed,
     InternalError,
     NotificationReceived,
+    PeerAnswered,
     PeerLost,
     PostTransfer,
     PrefillFinished,
@@ -39,6 +41,7 @@ from kvfsm.core._io import (
     StartHandshake,
     Tick,
     TransferResult,
+    TransferStatus,
 )
 from kvfsm.core._producer import ConsumerLink, Producer
 from kvfsm.core._records import Peer, Request, TransferTally
@@ -49,6 +52,7 @@ __all__ = [
     "MAX_PEERS",
     "Abort",
     "Admit",
+    "AskPeer",
     "CancelTransfer",
     "Command",
     "CommandFailed",
@@ -65,6 +69,7 @@ __all__ = [
     "Mode",
     "NotificationReceived",
     "Peer",
+    "PeerAnswered",
     "PeerLost",
     "PostTransfer",
     "PrefillFinished",
@@ -85,6 +90,7 @@ __all__ = [
     "Tick",
     "Tombstones",
     "TransferResult",
+    "TransferStatus",
     "TransferTally",
     "agent_name",
     "check_tp_sizes",

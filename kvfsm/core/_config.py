@@ -51,6 +51,12 @@ class CoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     peer_idle_ttl_s: float = 600.0
     """A connected peer no live request used for this long (up to 1.5x: swept every half TTL) is
     evicted: its NIXL agent and prepared lists released; the next request handshakes again."""
+    status_query_s: float = 5.0
+    """How long before its bound a side that has not heard a transfer's completion asks the
+    peer over the side channel what became of it: D before its watchdog (push), P before its
+    stall bound (pull). A completion is a best-effort notification; the answer saves a transfer
+    that finished. At most half the bound before it (short test bounds); 0: never ask (the
+    bound decides, as without a side channel)."""
     pending_registration_ttl_s: float = 30.0
     """P keeps a registration for a request it does not know yet this long."""
     max_pending_registrations: int = 65536
@@ -67,6 +73,13 @@ class CoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         sides have moved on."""
         return max(self.lease_s, self.watchdog_s, self.stall_s, self.producer_stall_s, self.fence_s)
 
+    def ask_margin(self, bound_s: float) -> float | None:
+        """How long before a bound of `bound_s` the peer is asked (None: never; see
+        `status_query_s`)."""
+        if self.status_query_s <= 0:
+            return None
+        return min(self.status_query_s, bound_s / 2)
+
     def __post_init__(self) -> None:
         checks = [
             (self.producer_stall_s > self.stall_s, "producer_stall_s must exceed stall_s"),
@@ -78,6 +91,7 @@ class CoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             ),
             (self.max_pending_registrations > 0 and self.tombstones > 0, "sizes must be > 0"),
             (self.transport_drain_s is None or self.transport_drain_s >= 0, "drain >= 0"),
+            (self.status_query_s >= 0, "status_query_s >= 0"),
         ]
         problems = [msg for ok, msg in checks if not ok]
         if problems:

@@ -17,8 +17,9 @@ from kvfsm.core._io import (
     ReportFailed,
     ReportReceived,
     Tick,
+    TransferStatus,
 )
-from kvfsm.core._records import Request
+from kvfsm.core._records import Request, link_status
 from kvfsm.core._side import Side, SideSnapshot
 from kvfsm.wire import (
     BlockIds,
@@ -52,6 +53,7 @@ class ProducerLink(msgspec.Struct, gc=False):
     deadline: float = 0.0  # push: what D told P (no WRITE after); pull: P's grant deadline
     transfer_id: int = 0
     incarnation: int = 0  # pull: the P process that granted (0: unknown)
+    ok: bool | None = None  # its transfer's result, once counted
 
 
 class Consumer(Side):
@@ -201,6 +203,39 @@ class Consumer(Side):
             self._count_error("protocol_error", f"{event} for {req.id!r} in {req.state}")
             return
         self._tally_result(req, sender, ok)
+
+    # --- lost completions: D asks P (push), D answers P (pull) ---------------------------------
+
+    def transfer_status(
+        self, asker: str, asker_request_id: str, request_id: str = ""
+    ) -> TransferStatus:
+        """P asks with our id for the request (`request_id`, from our registration): what
+        became of our READ from it."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            link = req.links.get(asker)
+            return "unknown" if link is None else link_status(link.ok, bool(link.transfer_id))
+        ended = self.tombstones.get(request_id) if request_id else None
+        if ended is None:
+            return "unknown"
+        return "done" if ended == "done" else "failed"  # done: every READ of it completed
+
+    def _take_answer(self, req: Request, peer: str, status: TransferStatus) -> None:
+        if status == "done":  # as if its completion had come
+            self.counters["recovered"] += 1
+            self._result_from_peer(req, peer, True)
+        elif status == "failed":  # as P's failure notice: none of its WRITEs can still land
+            self._result_from_peer(req, peer, False)
+        elif status == "transferring":
+            self._fire_from_peer(req, "peer_writing")
+        elif status == "unknown":  # our registration may still reach P: fence, do not free
+            self._fire_from_peer(req, "peer_denied")
+
+    def _asks_about(self, link: ProducerLink) -> bool:
+        return self.mode == "push" and link.deadline > 0  # told P where to write
+
+    def _ask_bound_s(self) -> float:
+        return self.config.watchdog_s
 
     # --- guards and commands named in models/consumer_*.toml -----------------------------------
 

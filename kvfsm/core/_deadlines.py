@@ -63,6 +63,13 @@ class Deadlines:
             for key, where in self._where.items()
         ]
 
+    def at(self, key: str) -> float | None:
+        """When `key`'s deadline falls, if armed."""
+        where = self._where.get(key)
+        if where is None:
+            return None
+        return where.entries[key] if isinstance(where, _Run) else where[0]
+
     def arm(self, key: str, at: float, event: str) -> None:
         """Set `key`'s deadline to `at`, firing `event`; replaces any earlier one."""
         self.disarm(key)  # one lookup whether or not it was armed

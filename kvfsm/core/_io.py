@@ -11,6 +11,7 @@ from kvfsm.wire import BlockIds
 __all__ = [
     "Abort",
     "Admit",
+    "AskPeer",
     "CancelTransfer",
     "Command",
     "CommandFailed",
@@ -20,6 +21,7 @@ __all__ = [
     "HandshakeFailed",
     "InternalError",
     "NotificationReceived",
+    "PeerAnswered",
     "PeerLost",
     "PostTransfer",
     "PrefillFinished",
@@ -32,7 +34,13 @@ __all__ = [
     "StartHandshake",
     "Tick",
     "TransferResult",
+    "TransferStatus",
 ]
+
+TransferStatus = Literal["done", "transferring", "waiting", "failed", "unknown", "unanswered"]
+"""What a peer says of a transfer when asked (`AskPeer`): it completed; it is under way; nothing
+was posted for it yet; it failed or the request ended without it (nothing of it can still
+move); the peer never heard of the request; or no answer came (side channel down, timeout)."""
 
 
 class _Io(msgspec.Struct, frozen=True, gc=False):
@@ -118,6 +126,15 @@ class TransferResult(_Io, frozen=True, gc=False):
     reason: str = ""
 
 
+class PeerAnswered(_Io, frozen=True, gc=False):
+    """`peer` answered (or did not: "unanswered") the question `AskPeer` asked about its
+    transfer for our `request_id`."""
+
+    peer: str
+    request_id: str
+    status: TransferStatus
+
+
 class CommandFailed(_Io, frozen=True, gc=False):
     """The runtime could not carry out a command for `request_id` (a bug: the fabric's faults
     come as `TransferResult` and `PeerLost`). The core abandons the request safely."""
@@ -137,6 +154,7 @@ Event = (
     | HandshakeFailed
     | PeerLost
     | TransferResult
+    | PeerAnswered
     | CommandFailed
 )
 
@@ -155,6 +173,16 @@ class RemoveAgent(_Io, frozen=True, gc=False):
     """Unload `peer`'s agent and everything prepared for it."""
 
     peer: str
+
+
+class AskPeer(_Io, frozen=True, gc=False):
+    """Ask `peer` over the side channel what became of its transfer for our `request_id` (its
+    id for it: `peer_request_id`, "" if unknown), then feed back `PeerAnswered`. Bounded: no
+    answer in time is an "unanswered"."""
+
+    peer: str
+    request_id: str
+    peer_request_id: str = ""
 
 
 class PostTransfer(_Io, frozen=True, gc=False):
@@ -227,6 +255,7 @@ class InternalError(_Io, frozen=True, gc=False):
 Command = (
     StartHandshake
     | RemoveAgent
+    | AskPeer
     | PostTransfer
     | CancelTransfer
     | SendNotification

@@ -9,9 +9,9 @@ import msgspec
 
 from kvfsm.core._config import CoreConfig, Identity, Mode, paired_ranks
 from kvfsm.core._deadlines import earliest
-from kvfsm.core._io import Admit, PostTransfer, PrefillFinished, Tick
+from kvfsm.core._io import Admit, PostTransfer, PrefillFinished, Tick, TransferStatus
 from kvfsm.core._matching import PendingRegistrations
-from kvfsm.core._records import Request, TransferTally, caller_blocks
+from kvfsm.core._records import Request, TransferTally, caller_blocks, link_status
 from kvfsm.core._side import Side, SideSnapshot
 from kvfsm.core._tombstones import Tombstones
 from kvfsm.wire import (
@@ -44,6 +44,7 @@ class ConsumerLink(msgspec.Struct, gc=False):
     granted: bool = False  # pull: the grant was sent
     given_up: bool = False  # lost before anything was posted or granted to it: its share failed
     incarnation: int = 0  # the D process that registered (0: unknown)
+    ok: bool | None = None  # its transfer's result, once counted
 
 
 class Producer(Side):
@@ -200,6 +201,41 @@ class Producer(Side):
                 self.counters["heartbeat_unknown"] += 1
             else:
                 self._fire_from_peer(req, "heartbeat")
+
+    # --- lost completions: P answers D (push), P asks D (pull) ---------------------------------
+
+    def transfer_status(
+        self, asker: str, asker_request_id: str, request_id: str = ""
+    ) -> TransferStatus:
+        """D asks with its id for the request: what became of P's WRITE into its blocks. Only
+        the request D's registration was matched to answers for it (never one found by id
+        alone: that could be another's transfer)."""
+        req = self._by_consumer.get((asker, asker_request_id))
+        if req is not None:
+            link = req.links[asker]
+            if link.given_up:
+                return "failed"
+            return link_status(link.ok, bool(link.transfer_id or link.granted))
+        if (asker, asker_request_id) in self._pending:
+            return "waiting"
+        matched = self._consumed.get(_consumer_key(asker, asker_request_id))
+        ended = None if matched in (None, _CANCELLED) else self.tombstones.get(matched)
+        if ended is None:
+            return "failed" if matched == _CANCELLED else "unknown"
+        return "done" if ended == "done" else "failed"  # done: every WRITE of it completed
+
+    def _take_answer(self, req: Request, peer: str, status: TransferStatus) -> None:
+        if status == "done":  # as if its completion had come
+            self.counters["recovered"] += 1
+            self._tally_result(req, peer, True)
+        elif status in ("failed", "unknown"):  # D reads no more: the blocks are free
+            self._tally_result(req, peer, False)
+
+    def _asks_about(self, link: ConsumerLink) -> bool:
+        return self.mode == "pull" and link.granted
+
+    def _ask_bound_s(self) -> float:
+        return self.config.producer_stall_s
 
     # --- matching -------------------------------------------------------------------------------
 

@@ -12,10 +12,11 @@ import msgspec
 import numpy as np
 
 from kvfsm.core._dispatch import FlatHistory, History, unflatten
+from kvfsm.core._io import TransferStatus
 from kvfsm.layout import id_bounds
 from kvfsm.wire import BlockIds
 
-__all__ = ["Peer", "Request", "TransferTally", "caller_blocks"]
+__all__ = ["Peer", "Request", "TransferTally", "caller_blocks", "link_status"]
 
 
 def caller_blocks(request_id: str, blocks: Any) -> BlockIds:
@@ -94,3 +95,11 @@ class Peer(msgspec.Struct, gc=False):
             self.clock_offset, self.clock_error = (lo + hi) / 2, (hi - lo) / 2
         else:
             self.clock_offset, self.clock_error, self.clock_measured = offset, error, True
+
+
+def link_status(ok: bool | None, under_way: bool) -> TransferStatus:
+    """What a side says of one peer's transfer: its counted result, else whether it is under
+    way (posted or granted) or not yet."""
+    if ok is not None:
+        return "done" if ok else "failed"
+    return "transferring" if under_way else "waiting"

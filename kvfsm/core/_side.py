@@ -17,6 +17,7 @@ from kvfsm.core._dispatch import Dispatcher, Recorder, RunQueue, StepFailed
 from kvfsm.core._io import (
     Abort,
     Admit,
+    AskPeer,
     CancelTransfer,
     Command,
     CommandFailed,
@@ -25,6 +26,7 @@ from kvfsm.core._io import (
     HandshakeFailed,
     InternalError,
     NotificationReceived,
+    PeerAnswered,
     PeerLost,
     PrefillFinished,
     ReleaseBlocks,
@@ -34,6 +36,7 @@ from kvfsm.core._io import (
     StartHandshake,
     Tick,
     TransferResult,
+    TransferStatus,
 )
 from kvfsm.core._quarantine import Quarantine
 from kvfsm.core._records import Peer, Request, TransferTally, caller_blocks
@@ -85,6 +88,9 @@ class Side:
         self.counters: Counter[str] = Counter()
         self.errors: deque[str] = deque(maxlen=_MAX_ERRORS_KEPT)
         self.deadlines = Deadlines()
+        self.queries = Deadlines()
+        """When to ask a peer about a transfer whose completion is overdue (one per request,
+        beside its deadline: `completion_overdue`)."""
         self.quarantine = Quarantine()
         self.transport_drain_s = self.config.transport_drain_s or 0.0
         """How long given-up transfers may still land (the runtime sets it from its fabric)."""
@@ -112,6 +118,7 @@ class Side:
             HandshakeFailed: self._on_handshake_failed,
             PeerLost: lambda e: self._peer_event(e.peer, "peer_lost"),
             TransferResult: self._on_transfer_result,
+            PeerAnswered: self._on_peer_answered,
             CommandFailed: self._on_command_failed,
         }
         self._messages: dict[type, Callable[[Any, str], None]] = {}
@@ -123,7 +130,7 @@ class Side:
     def snapshot(self) -> SideSnapshot:
         """This side's bookkeeping beyond requests and peers (see `SideSnapshot`)."""
         return SideSnapshot(
-            deadlines=tuple(self.deadlines.armed()),
+            deadlines=(*self.deadlines.armed(), *self.queries.armed()),
             tombstones=tuple(self.tombstones.items()),
             next_peer_sweep=self._next_peer_sweep,
         )
@@ -165,7 +172,12 @@ class Side:
 
     def next_wakeup(self) -> float | None:
         """When the side next needs a `Tick` (its next deadline), for an event loop's timeout."""
-        return earliest(self.deadlines.next_at(), self._next_peer_sweep, self.quarantine.next_at())
+        return earliest(
+            self.deadlines.next_at(),
+            self.queries.next_at(),
+            self._next_peer_sweep,
+            self.quarantine.next_at(),
+        )
 
     # --- common event handlers ------------------------------------------------------------------
 
@@ -178,7 +190,7 @@ class Side:
         self._req.fire(req, "abort", self._now)
 
     def _on_tick(self, _event: Tick) -> None:
-        for key, event in self.deadlines.due(self._now):
+        for key, event in (*self.deadlines.due(self._now), *self.queries.due(self._now)):
             req = self.requests.get(key)
             if req is not None:
                 self._req.fire(req, event, self._now)
@@ -381,6 +393,7 @@ class Side:
     def _on_request_ended(self, req: Request) -> None:
         del self.requests[req.id]
         self.deadlines.disarm(req.id)
+        self.queries.disarm(req.id)
         self.tombstones.add(req.id, req.state)
         self._stop_waiting(req)
         self._forget(req)
@@ -408,6 +421,9 @@ class Side:
             self._count_error("duplicate", f"result for {req.id!r} from {key}")
             return
         tally.reported += (key,)
+        link = req.links.get(key)
+        if link is not None:
+            link.ok = ok
         if ok:
             tally.ok += 1
         else:
@@ -469,6 +485,50 @@ class Side:
     def _may_still_land(self, req: Request) -> bool:
         """Whether a transfer given up on may still write the request's blocks (D overrides)."""
         return False
+
+    # --- asking a peer what became of a transfer (docs/lifecycles.md, "Lost completions") ------
+
+    def transfer_status(
+        self, asker: str, asker_request_id: str, request_id: str = ""
+    ) -> TransferStatus:
+        """What this side can say of its transfer with `asker` for the request `asker` calls
+        `asker_request_id` (ours: `request_id`, if it knows it). A read: it changes nothing,
+        and says "done" only of a transfer that completed."""
+        raise NotImplementedError
+
+    def _on_peer_answered(self, event: PeerAnswered) -> None:
+        self.counters[f"status_{event.status}"] += 1
+        req = self.requests.get(event.request_id)
+        if req is None or event.peer not in req.links or event.peer in req.tally.reported:
+            self.counters["status_late"] += 1  # the completion or a bound came first
+            return
+        self._take_answer(req, event.peer, event.status)
+
+    def _take_answer(self, req: Request, peer: str, status: TransferStatus) -> None:
+        raise NotImplementedError
+
+    def _asks_about(self, link: Any) -> bool:
+        """Whether the peer of `link` has something of ours under way to answer for."""
+        raise NotImplementedError
+
+    def _ask_bound_s(self) -> float:
+        raise NotImplementedError
+
+    def _req_cmd_arm_ask(self, req: Request) -> None:
+        # Before the bound now armed (the watchdog may date from the admission), never earlier
+        # than now.
+        bound = self._ask_bound_s()
+        margin = self.config.ask_margin(bound)
+        if margin is not None:
+            deadline = self.deadlines.at(req.id)
+            at = (self._now + bound if deadline is None else deadline) - margin
+            self.queries.arm(req.id, max(at, self._now), "completion_overdue")
+
+    def _req_cmd_ask_peer(self, req: Request) -> None:
+        for link in req.links.values():
+            if link.agent not in req.tally.reported and self._asks_about(link):
+                self.counters["status_asked"] += 1
+                self._emit(AskPeer(link.agent, req.id, link.request_id))
 
     # --- the peer lifecycle ---------------------------------------------------------------------
 

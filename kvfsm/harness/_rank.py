@@ -198,7 +198,7 @@ def close_rank(rank: Rank, loop: RankLoop) -> dict[str, int]:
 
 
 def _serve(spec: RankSpec, conn: Connection, send: _Sender, make_loop: LoopFactory | None) -> None:
-    from kvfsm.runtime import EngineLoop, KvCache
+    from kvfsm.runtime import EngineLoop, KvCache, status_answerer
     from kvfsm.sim import request_seed, write_request
 
     is_p = spec.side == "P"
@@ -226,6 +226,7 @@ def _serve(spec: RankSpec, conn: Connection, send: _Sender, make_loop: LoopFacto
     reporter = _Reporter(spec, kv, send)
     loop = (make_loop or EngineLoop)(engine, reporter.put)
     directory.on_result = loop.wake
+    listener.status = status_answerer(loop)  # peers ask about transfers whose completion was lost
     loop.start()
     send(("ready", listener.port))
     try:

@@ -4,9 +4,9 @@ handshake contract (`PeerInfo`, `HandshakeError`, `Directory`) the side channel 
 from kvfsm.runtime._conformance import Conformance
 from kvfsm.runtime._engine import CallerOutput, Engine, InFlight
 from kvfsm.runtime._guests import MAX_GUESTS, Guests
-from kvfsm.runtime._handshake import Directory, HandshakeError, PeerInfo
+from kvfsm.runtime._handshake import Directory, HandshakeError, PeerInfo, StatusQuery
 from kvfsm.runtime._kv import KvCache
-from kvfsm.runtime._loop import EngineLoop
+from kvfsm.runtime._loop import EngineLoop, LoopCalls, status_answerer
 from kvfsm.runtime._routes import Route, plan_route
 from kvfsm.runtime._trace import RequestTrace, TransferStats, time_in_state
 
@@ -21,10 +21,13 @@ __all__ = [
     "HandshakeError",
     "InFlight",
     "KvCache",
+    "LoopCalls",
     "PeerInfo",
     "RequestTrace",
     "Route",
+    "StatusQuery",
     "TransferStats",
     "plan_route",
+    "status_answerer",
     "time_in_state",
 ]

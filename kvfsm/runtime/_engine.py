@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from kvfsm.core import (
+    AskPeer,
     CancelTransfer,
     Command,
     CommandFailed,
@@ -25,6 +26,7 @@ from kvfsm.core import (
     HandshakeFailed,
     InternalError,
     NotificationReceived,
+    PeerAnswered,
     PeerLost,
     PostTransfer,
     ReleaseBlocks,
@@ -36,13 +38,14 @@ from kvfsm.core import (
     StartHandshake,
     Tick,
     TransferResult,
+    TransferStatus,
     short_trace,
 )
 from kvfsm.fabric import Fabric, FabricError, RemoteDisconnectedError, XferHandle
 from kvfsm.layout import Int64Array, coalesce
 from kvfsm.runtime._conformance import Conformance
 from kvfsm.runtime._guests import Guests
-from kvfsm.runtime._handshake import Directory, HandshakeError, PeerInfo
+from kvfsm.runtime._handshake import Directory, HandshakeError, PeerInfo, StatusQuery
 from kvfsm.runtime._kv import KvCache
 from kvfsm.runtime._routes import Route, plan_route, prepare_route
 from kvfsm.runtime._seals import Seals, new_epoch
@@ -154,6 +157,7 @@ class Engine:
             CancelTransfer: lambda c: self._cancel(c.transfer_id),
             StartHandshake: lambda c: self.directory.start(c.peer, c.contact),
             RemoveAgent: lambda c: self._forget_peer(c.peer),
+            AskPeer: self._ask,
             Finished: self._finished,
         }
 
@@ -166,6 +170,15 @@ class Engine:
         """What a peer's handshake with this engine returns."""
         metadata = self.fabric.get_agent_metadata()
         return PeerInfo(self.agent, metadata, self.kv.layout, incarnation=self.incarnation)
+
+    def transfer_status(self, query: StatusQuery) -> TransferStatus:
+        """The answer to a peer's question about a transfer (the side channel's listener
+        asks; call it on the thread that drives this engine)."""
+        if query.agent != self.agent:
+            return "unknown"
+        return self.side.transfer_status(
+            query.requester, query.requester_request_id, query.request_id
+        )
 
     @property
     def busy(self) -> bool:
@@ -205,6 +218,9 @@ class Engine:
         active = False
         for peer, result in self.directory.results():
             self._connect(peer, result)
+            active = True
+        for query, status in self.directory.answers():
+            self._queue.append(PeerAnswered(query.agent, query.requester_request_id, status))
             active = True
         for sender, messages in self._notifications().items():
             for payload in messages:
@@ -423,6 +439,10 @@ class Engine:
             self.counters["cancelled"] += 1
             with _Tolerant(self.counters, "release"):
                 self.fabric.release_xfer_handle(flight.handle)
+
+    def _ask(self, cmd: AskPeer) -> None:
+        query = StatusQuery(cmd.peer, self.agent, cmd.request_id, cmd.peer_request_id)
+        self.directory.ask(cmd.peer, query)
 
     def _notify(self, cmd: SendNotification) -> None:
         self._send(cmd.peer, cmd.payload)

@@ -4,13 +4,14 @@ which kvfsm.sidechannel implements over ZMQ and in process)."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Annotated, Protocol
 
 import msgspec
 
+from kvfsm.core import TransferStatus
 from kvfsm.layout import RegionLayout
 
-__all__ = ["Directory", "HandshakeError", "PeerInfo"]
+__all__ = ["Directory", "HandshakeError", "PeerInfo", "StatusQuery"]
 
 
 class PeerInfo(msgspec.Struct, frozen=True):
@@ -41,3 +42,22 @@ class Directory(Protocol):
     def results(self) -> list[tuple[str, PeerInfo | HandshakeError]]:
         """Handshakes finished since the last call: the peer's information or why it failed."""
         ...
+
+    def ask(self, peer: str, query: StatusQuery) -> None:
+        """Ask `peer` (over the side channel, authenticated and bounded like a handshake)
+        what became of its transfer for `query`; the answer appears in `answers()`."""
+        ...
+
+    def answers(self) -> list[tuple[StatusQuery, TransferStatus]]:
+        """Questions answered since the last call ("unanswered": no answer in time)."""
+        ...
+
+
+class StatusQuery(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A question to `agent` from `requester`: what became of your transfer for my
+    `requester_request_id` (your id for it: `request_id`, "" if I do not know it)?"""
+
+    agent: Annotated[str, msgspec.Meta(max_length=256)]
+    requester: Annotated[str, msgspec.Meta(max_length=256)]
+    requester_request_id: Annotated[str, msgspec.Meta(max_length=1024)]
+    request_id: Annotated[str, msgspec.Meta(max_length=1024)] = ""

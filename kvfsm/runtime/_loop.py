@@ -33,12 +33,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from kvfsm.core import Event, InternalError, Shutdown, short_trace
+from kvfsm.core import Event, InternalError, Shutdown, TransferStatus, short_trace
 from kvfsm.runtime._engine import CallerOutput, Engine
+from kvfsm.runtime._handshake import StatusQuery
 
-__all__ = ["EngineLoop"]
+__all__ = ["EngineLoop", "LoopCalls", "status_answerer"]
 
 T = TypeVar("T")
 _MAX_ERRORS_KEPT = 16
@@ -234,6 +235,33 @@ class EngineLoop:
         except Exception as exc:
             self._error(f"close raised {exc!r}", short_trace(exc))
         self._deliver()  # blocks the engine still held go back on close
+
+
+class LoopCalls(Protocol):
+    """A loop that runs functions on the thread driving its engine (`EngineLoop.call`)."""
+
+    def call(self, fn: Callable[[Engine], Any]) -> Future[Any]:
+        """Run `fn(engine)` on the loop's thread."""
+        ...
+
+
+def status_answerer(
+    loop: LoopCalls, timeout_s: float = 0.5
+) -> Callable[[StatusQuery], TransferStatus]:
+    """How a side-channel listener answers peers' questions about `loop`'s engine's transfers:
+    on the loop's thread (the core's state is that thread's), waited for at most `timeout_s`;
+    a loop too busy or stopped leaves the question "unanswered"."""
+
+    def answer(query: StatusQuery) -> TransferStatus:
+        try:
+            status: TransferStatus = loop.call(lambda engine: engine.transfer_status(query)).result(
+                timeout_s
+            )
+        except Exception:  # timed out, stopped, or the engine raised: no answer, no guess
+            return "unanswered"
+        return status
+
+    return answer
 
 
 def _default_hot_s(engine: Engine) -> float:

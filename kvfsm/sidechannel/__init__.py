@@ -27,6 +27,7 @@ from kvfsm.sidechannel._payload import (
     encode,
     payload_of,
 )
+from kvfsm.sidechannel._status import StatusAnswer, StatusAnswerer, StatusRequest, ask_status
 from kvfsm.sidechannel._zmq_directory import ZmqDirectory
 
 __all__ = [
@@ -41,8 +42,12 @@ __all__ = [
     "HandshakeRequest",
     "LocalDirectory",
     "SidechannelError",
+    "StatusAnswer",
+    "StatusAnswerer",
+    "StatusRequest",
     "Unauthenticated",
     "ZmqDirectory",
+    "ask_status",
     "clock_offset",
     "compat_hash",
     "decode_reply",

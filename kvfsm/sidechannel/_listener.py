@@ -23,6 +23,7 @@ from kvfsm.sidechannel._payload import (
     decode_request,
     encode,
 )
+from kvfsm.sidechannel._status import StatusAnswerer, is_status_frame, status_reply
 from kvfsm.wire import SharedSecret
 
 __all__ = ["HandshakeListener"]
@@ -47,8 +48,11 @@ class HandshakeListener:
     With `secret`, only requests tagged with it are answered, and acceptances are tagged. Each
     accepted requester is admitted to `guests` (shared with the engines the listener serves,
     which take notifications only from peers they handshaked with and from guests).
-    `.counters` counts requests by outcome (`accepted`, `refused`, `unauthenticated`,
-    `malformed`, `oversized`, `errors`; disjoint).
+    `status` answers peers' questions about transfers (on the listener's thread: it must be
+    thread-safe and bounded, e.g. a call onto the engine's loop with a timeout); None: they go
+    unanswered. `.counters` counts requests by outcome (`accepted`, `refused`,
+    `unauthenticated`, `malformed`, `oversized`, `errors`, `status_answered`,
+    `status_refused`; disjoint).
     """
 
     def __init__(
@@ -59,8 +63,10 @@ class HandshakeListener:
         clock: Callable[[], float] = time.monotonic,
         secret: SharedSecret | None = None,
         guests: Guests | None = None,
+        status: StatusAnswerer | None = None,
     ) -> None:
         self._payloads = payloads
+        self.status = status
         self._secret = secret
         self.guests = Guests() if guests is None else guests
         self._clock = clock  # the engines' clock: every answer carries it
@@ -126,6 +132,11 @@ class HandshakeListener:
         envelope, body = frames[:1], frames[1:]
         if body and body[0] == b"":
             envelope, body = frames[:2], frames[2:]
+        if len(body) == 1 and is_status_frame(body[0]):
+            reply_frame, outcome = status_reply(body[0], self.status, self._secret)
+            self.counters[f"status_{outcome}"] += 1
+            self._socket.send_multipart([*envelope, reply_frame], zmq.NOBLOCK)
+            return
         arrived = self._clock()
         nonce = b""
         try:

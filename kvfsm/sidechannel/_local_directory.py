@@ -9,18 +9,22 @@ from typing import NamedTuple
 
 import msgspec
 
-from kvfsm.runtime import Guests, HandshakeError, PeerInfo
+from kvfsm.core import TransferStatus
+from kvfsm.runtime import Guests, HandshakeError, PeerInfo, StatusQuery
 from kvfsm.sidechannel._clock import clock_offset
+from kvfsm.sidechannel._status import StatusAnswerer
 
 __all__ = ["DirectorySnapshot", "DirectoryView", "LocalDirectory"]
 
 
 class DirectorySnapshot(NamedTuple):
     """The directory's scripted faults still to come, read-only: (peer, how many of the next
-    handshakes with it fail) and (peer, how many hang), peers with none left out."""
+    side-channel exchanges with it fail) and (peer, how many hang), peers with none left out;
+    and the peers whose side channel is cut."""
 
     failing: tuple[tuple[str, int], ...]
     hanging: tuple[tuple[str, int], ...]
+    cut: tuple[str, ...] = ()
 
 
 class LocalDirectory:
@@ -31,6 +35,8 @@ class LocalDirectory:
 
     def __init__(self, clock: Callable[[], float] = lambda: 0.0, latency: float = 0.0) -> None:
         self._engines: dict[str, Callable[[], PeerInfo]] = {}
+        self._answerers: dict[str, StatusAnswerer] = {}
+        self._cut: set[str] = set()
         self._clocks: dict[str, Callable[[], float]] = {}
         self._failures: Counter[str] = Counter()
         self._hangs: Counter[str] = Counter()
@@ -45,22 +51,39 @@ class LocalDirectory:
         return DirectoryView(self, clock or self._clock, requester)
 
     def publish(
-        self, agent: str, info: Callable[[], PeerInfo], clock: Callable[[], float] | None = None
+        self,
+        agent: str,
+        info: Callable[[], PeerInfo],
+        clock: Callable[[], float] | None = None,
+        status: StatusAnswerer | None = None,
     ) -> None:
         """Make `agent` reachable; `info` is called at each handshake (metadata may change).
-        `clock` is the engine's (default: the directory's): handshakes measure its offset."""
+        `clock` is the engine's (default: the directory's): handshakes measure its offset.
+        `status` answers peers' questions about transfers (None: they go unanswered)."""
         self._engines[agent] = info
         self._clocks[agent] = clock or self._clock
+        if status is not None:
+            self._answerers[agent] = status
 
     def withdraw(self, agent: str) -> None:
         """Make `agent` unreachable (its process is gone)."""
         self._engines.pop(agent, None)
+        self._answerers.pop(agent, None)
+
+    def cut(self, agent: str, cut: bool = True) -> None:
+        """Cut (or, with `cut=False`, restore) the side channel to `agent`: handshakes with it
+        fail and questions to it go unanswered, while its NIXL traffic goes on."""
+        if cut:
+            self._cut.add(agent)
+        else:
+            self._cut.discard(agent)
 
     def snapshot(self) -> DirectorySnapshot:
         """The scripted failures and hangs not yet taken (see `DirectorySnapshot`)."""
         return DirectorySnapshot(
             failing=tuple(sorted((peer, n) for peer, n in self._failures.items() if n)),
             hanging=tuple(sorted((peer, n) for peer, n in self._hangs.items() if n)),
+            cut=tuple(sorted(self._cut)),
         )
 
     def fail_next(self, peer: str, times: int = 1) -> None:
@@ -74,9 +97,21 @@ class LocalDirectory:
 
     def _answer(self, peer: str) -> PeerInfo:
         info = self._engines.get(peer)
-        if info is None:
+        if info is None or peer in self._cut:
             raise HandshakeError(f"nothing listens for {peer!r}")
         return info()
+
+    def _status(self, query: StatusQuery) -> TransferStatus:
+        """The answer to `query` now: a scripted failure (taken here) or a cut side channel
+        leaves it unanswered."""
+        peer = query.agent
+        if self._failures[peer] > 0:
+            self._failures[peer] -= 1
+            return "unanswered"
+        answerer = self._answerers.get(peer)
+        if answerer is None or peer in self._cut or peer not in self._engines:
+            return "unanswered"
+        return answerer(query)
 
     def peer_clock(self, peer: str) -> float:
         """`peer`'s clock now (the directory's for an engine published without one)."""
@@ -95,6 +130,7 @@ class DirectoryView:
         # (due, peer, our clock at the start, the peer's clock when the request reaches it,
         # whether it is to fail)
         self._started: list[tuple[float, str, float, float, bool]] = []
+        self._asked: list[tuple[float, StatusQuery]] = []  # (due, question), in order asked
 
     def start(self, peer: str, contact: str = "") -> None:
         """Begin a handshake with `peer`; it finishes after the directory's latency (engines
@@ -116,8 +152,27 @@ class DirectoryView:
         return list(self._started)
 
     def next_due(self) -> float | None:
-        """When the next handshake under way finishes (the directory's clock), if any."""
-        return min((entry[0] for entry in self._started), default=None)
+        """When the next handshake or question under way finishes (the directory's clock)."""
+        due = [entry[0] for entry in self._started] + [entry[0] for entry in self._asked]
+        return min(due, default=None)
+
+    def ask(self, peer: str, query: StatusQuery) -> None:
+        """Ask `peer` about a transfer; answered after a round trip of the directory's
+        latency, from the peer's state then (a scripted failure or a cut: unanswered)."""
+        self._asked.append((self._directory._clock() + self._directory._latency, query))
+
+    def asks_under_way(self) -> list[tuple[float, StatusQuery]]:
+        """The questions asked and not answered yet: (due, question)."""
+        return list(self._asked)
+
+    def answers(self) -> list[tuple[StatusQuery, TransferStatus]]:
+        """The questions whose round trip has passed, with their answers."""
+        now = self._directory._clock()
+        due = [query for at, query in self._asked if at <= now]
+        if not due:
+            return []
+        self._asked = [entry for entry in self._asked if entry[0] > now]
+        return [(query, self._directory._status(query)) for query in due]
 
     def results(self) -> list[tuple[str, PeerInfo | HandshakeError]]:
         """The handshakes whose latency has passed."""

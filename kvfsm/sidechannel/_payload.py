@@ -93,6 +93,9 @@ class HandshakePayload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     compat_hash: str
     device: int = 0
     incarnation: int = 0
+    status_contact: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    """Where the rank answers questions about its transfers ("host:port"; "": at the listener
+    that served this payload)."""
 
     @property
     def rank(self) -> int:
@@ -251,7 +254,9 @@ def compat_hash(
     return hashlib.sha256(_encoder.encode(fields)).hexdigest()
 
 
-def payload_of(engine: Engine, *, compat_hash: str, wire_version: int) -> HandshakePayload:
+def payload_of(
+    engine: Engine, *, compat_hash: str, wire_version: int, status_contact: str = ""
+) -> HandshakePayload:
     """The handshake payload of an engine rank (built on the thread that owns its fabric, once its
     memory is registered: NIXL's metadata is a snapshot)."""
     layout = engine.kv.layout
@@ -268,4 +273,5 @@ def payload_of(engine: Engine, *, compat_hash: str, wire_version: int) -> Handsh
         compat_hash=compat_hash,
         device=layout.device,
         incarnation=engine.incarnation,
+        status_contact=status_contact,
     )

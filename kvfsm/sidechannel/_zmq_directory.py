@@ -8,9 +8,11 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 
-from kvfsm.runtime import HandshakeError, PeerInfo
+from kvfsm.core import TransferStatus
+from kvfsm.runtime import HandshakeError, PeerInfo, StatusQuery
 from kvfsm.sidechannel._client import fetch_peer, validate
 from kvfsm.sidechannel._payload import HandshakePayload
+from kvfsm.sidechannel._status import ask_status
 from kvfsm.wire import SharedSecret
 
 __all__ = ["ZmqDirectory"]
@@ -31,6 +33,11 @@ class ZmqDirectory:
     (the engines' clock, `time.monotonic`): deadlines between hosts are converted with it.
     With `secret`, requests are tagged and only acceptances tagged for them are taken;
     `requester` is the agent the handshakes are for (the peer then takes its notifications).
+    `ask(peer, query)` asks a peer it handshaked with about a transfer (at the address its
+    payload names, else where its handshake was answered), as bounded as a handshake; the
+    answers come from `answers()`. A question waits `ask_timeout_s` at most (it is answered
+    from memory; a peer that cannot answer within it is "unanswered", and the question must be
+    answered before the bound it runs ahead of).
     """
 
     def __init__(
@@ -45,6 +52,7 @@ class ZmqDirectory:
         clock: Callable[[], float] = time.monotonic,
         secret: SharedSecret | None = None,
         requester: str = "",
+        ask_timeout_s: float = 1.0,
     ) -> None:
         if timeout_s <= 0 or max_workers < 1:
             raise ValueError(f"need timeout_s > 0 and max_workers >= 1: {timeout_s}, {max_workers}")
@@ -52,6 +60,7 @@ class ZmqDirectory:
         self.compat_hash = compat_hash
         self.wire_version = wire_version
         self.timeout_s = timeout_s
+        self.ask_timeout_s = min(ask_timeout_s, timeout_s)
         self._check = check
         self._clock = clock  # the engines' clock, to learn each peer's offset from it
         self._secret = secret
@@ -59,6 +68,8 @@ class ZmqDirectory:
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="kvfsm-directory")
         self._ready = threading.Condition()
         self._done: list[tuple[str, _Result]] = []  # guarded by _ready
+        self._answers: list[tuple[StatusQuery, TransferStatus]] = []  # guarded by _ready
+        self._status_at: dict[str, tuple[str, int]] = {}  # guarded by _ready
         self._pending = 0  # guarded by _ready
         self._closed = False  # guarded by _ready
         self.on_result: Callable[[], None] | None = None
@@ -92,7 +103,35 @@ class ZmqDirectory:
     def wait(self, timeout: float | None = None) -> bool:
         """Block until a result is ready (or `timeout` seconds pass); True if one is."""
         with self._ready:
-            return self._ready.wait_for(lambda: bool(self._done), timeout)
+            return self._ready.wait_for(lambda: bool(self._done or self._answers), timeout)
+
+    def ask(self, peer: str, query: StatusQuery) -> None:
+        """Ask `peer` about a transfer off the caller's thread; see `answers()`."""
+        with self._ready:
+            where = self._status_at.get(peer)
+            if where is None or self._closed:
+                self._answers.append((query, "unanswered"))  # never handshaked: nowhere to ask
+                self._ready.notify_all()
+                return
+            future = self._pool.submit(
+                ask_status, *where, query, timeout_s=self.ask_timeout_s, secret=self._secret
+            )
+        future.add_done_callback(lambda f: self._answered(query, f))
+
+    def answers(self) -> list[tuple[StatusQuery, TransferStatus]]:
+        """Questions answered since the last call ("unanswered": no answer in time)."""
+        with self._ready:
+            done, self._answers = self._answers, []
+        return done
+
+    def _answered(self, query: StatusQuery, future: Future[TransferStatus]) -> None:
+        ok = not future.cancelled() and future.exception() is None
+        status: TransferStatus = future.result() if ok else "unanswered"
+        with self._ready:
+            self._answers.append((query, status))
+            self._ready.notify_all()
+        if self.on_result is not None:
+            self.on_result()
 
     def _resolve(self, peer: str, contact: str) -> tuple[str, int]:
         try:
@@ -121,6 +160,12 @@ class ZmqDirectory:
         )
         self._check(payload)
         layout = payload.layout()
+        status_at = (host, port)
+        if payload.status_contact:
+            status_host, _, status_port = payload.status_contact.rpartition(":")
+            status_at = (status_host.strip("[]"), int(status_port))
+        with self._ready:
+            self._status_at[peer] = status_at
         return PeerInfo(
             payload.agent, payload.agent_metadata, layout, offset, error, payload.incarnation
         )

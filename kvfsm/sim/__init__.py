@@ -8,6 +8,7 @@ and recognisable KV contents checkable on any rank of any geometry.
 from kvfsm.sim._cluster import Cluster, PairedRequest
 from kvfsm.sim._invariants import COVERAGE, Conformance, Ledger, LedgerBooks, untaken_transitions
 from kvfsm.sim._lockstep import LockstepCluster
+from kvfsm.sim._losses import LossyInbox, message_kind
 from kvfsm.sim._pattern import PatternCheck, check_request, request_seed, write_request
 from kvfsm.sim._presets import FAST_CONFIG, SMALL_GEOMETRY, SMALL_MLA_GEOMETRY
 
@@ -21,9 +22,11 @@ __all__ = [
     "Ledger",
     "LedgerBooks",
     "LockstepCluster",
+    "LossyInbox",
     "PairedRequest",
     "PatternCheck",
     "check_request",
+    "message_kind",
     "request_seed",
     "untaken_transitions",
     "write_request",

@@ -9,7 +9,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
 import msgspec
 import numpy as np
@@ -45,6 +45,7 @@ from kvfsm.layout import KvGeometry
 from kvfsm.runtime import CallerOutput, Directory, Engine, KvCache
 from kvfsm.sidechannel import DirectoryView, LocalDirectory
 from kvfsm.sim._invariants import Conformance, Ledger
+from kvfsm.sim._losses import LossyInbox
 from kvfsm.sim._pattern import request_seed, write_request
 from kvfsm.sim._presets import FAST_CONFIG, SMALL_GEOMETRY
 from kvfsm.wire import SharedSecret
@@ -200,7 +201,7 @@ class Cluster:
         return view
 
     def _publish(self, engine: Engine, clock: Callable[[], float]) -> None:
-        self.directory.publish(engine.agent, engine.info, clock)
+        self.directory.publish(engine.agent, engine.info, clock, engine.transfer_status)
 
     def kill(self, agent: str, reset: bool) -> None:
         """The process of `agent` dies: with `reset`, peers see the connection reset; else silence."""
@@ -212,6 +213,27 @@ class Cluster:
         self.directory.withdraw(agent)
         self.dead.add(agent)
         self.ledger.forget_engine(agent)
+
+    def lose_notification(self, agent: str, kind: str) -> None:
+        """The next notification of `kind` (a wire tag, e.g. "done") reaching `agent` is lost;
+        on either fabric (taken off where it arrives)."""
+        self._inbox(agent).lose_next(kind)
+
+    def notification_outage(self, agent: str, seconds: float) -> None:
+        """Every notification reaching `agent` is lost for `seconds`; on either fabric."""
+        self._inbox(agent).outage(seconds)
+
+    def cut_side_channel(self, agent: str, cut: bool = True) -> None:
+        """Cut (or restore) the side channel to `agent`: handshakes with it fail, questions to
+        it go unanswered; its NIXL traffic goes on."""
+        self.directory.cut(agent, cut)
+
+    def _inbox(self, agent: str) -> LossyInbox:
+        engine = self.engines[agent]
+        if not isinstance(engine.fabric, LossyInbox):
+            clock = engine.clock
+            engine.fabric = cast(Fabric, LossyInbox(engine.fabric, clock))
+        return cast(LossyInbox, engine.fabric)
 
     def revive(self, agent: str) -> None:
         """A new process takes the dead agent's place (new memory, new core)."""

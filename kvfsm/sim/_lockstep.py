@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvfsm.core import Mode
+from kvfsm.core import Mode, TransferStatus
 from kvfsm.fabric import DlistHandle, FabricError, NixlFabric, XferHandle, XferOp, XferState
-from kvfsm.runtime import Directory, Engine, HandshakeError, PeerInfo
+from kvfsm.runtime import Directory, Engine, HandshakeError, PeerInfo, StatusQuery
 from kvfsm.sidechannel import (
     HandshakeListener,
     HandshakePayload,
@@ -201,6 +201,14 @@ class _Handshakes:
         self.started += 1
         self._order.append(peer)
         self.zmq.start(peer, contact)
+
+    def ask(self, peer: str, query: StatusQuery) -> None:
+        # Real time decides when an answer comes: the twin runs with status_query_s=0, so
+        # only tests outside it ask (kvfsm.testing.twin says why).
+        self.zmq.ask(peer, query)
+
+    def answers(self) -> list[tuple[StatusQuery, TransferStatus]]:
+        return self.zmq.answers()
 
     def results(self) -> list[tuple[str, PeerInfo | HandshakeError]]:
         self._done.update(self.zmq.results())

@@ -25,5 +25,6 @@ FAST_CONFIG = CoreConfig(
     heartbeat_s=0.5,
     pending_registration_ttl_s=2.0,
     peer_idle_ttl_s=3.0,
+    status_query_s=0.5,
 )
 """Short bounds so a simulated run reaches every deadline in a few simulated seconds."""

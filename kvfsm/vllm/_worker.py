@@ -37,8 +37,22 @@ from kvfsm.core import (
 )
 from kvfsm.fabric import NixlFabric, buffer_span
 from kvfsm.layout import KvGeometry
-from kvfsm.runtime import CallerOutput, Engine, EngineLoop, KvCache, RequestTrace
-from kvfsm.sidechannel import HandshakePayload, ZmqDirectory, compat_hash, payload_of, validate
+from kvfsm.runtime import (
+    CallerOutput,
+    Engine,
+    EngineLoop,
+    KvCache,
+    RequestTrace,
+    status_answerer,
+)
+from kvfsm.sidechannel import (
+    HandshakeListener,
+    HandshakePayload,
+    ZmqDirectory,
+    compat_hash,
+    payload_of,
+    validate,
+)
 from kvfsm.vllm._fence import DeviceFence
 from kvfsm.vllm._geometry import kernel_blocks
 from kvfsm.vllm._scheduler import ConnectorStep
@@ -74,6 +88,7 @@ class WorkerSide:
         self.loop: EngineLoop | None = None
         self.payload: HandshakePayload | None = None
         self._directory: ZmqDirectory | None = None
+        self._status: HandshakeListener | None = None  # answers peers' questions on transfers
         self._fabric: NixlFabric | None = None
         self._lock = threading.Lock()
         self._awaited: set[str] = set()  # guarded by _lock
@@ -131,7 +146,6 @@ class WorkerSide:
                 secret=secret,
                 conformance=s.conformance,
             )
-            self.payload = payload_of(self.engine, compat_hash=chash, wire_version=WIRE_VERSION)
         except BaseException:
             self._close_parts()
             raise
@@ -145,6 +159,25 @@ class WorkerSide:
             logger=_log,
         )
         self._directory.on_result = self.loop.wake
+        # Peers ask this rank about transfers whose completion was lost; the handshake listener
+        # runs in the scheduler's process, so the rank answers at a listener of its own.
+        try:
+            self._status = HandshakeListener(
+                lambda _agent: None,
+                s.side_channel_host,
+                secret=secret,
+                status=status_answerer(self.loop),
+            )
+            self.payload = payload_of(
+                self.engine,
+                compat_hash=chash,
+                wire_version=WIRE_VERSION,
+                status_contact=self._status.where,
+            )
+        except BaseException:
+            self.loop.stop()
+            self._close_parts()
+            raise
         if self.is_producer and s.device_fence and mem_type == "VRAM":
             self._fence = DeviceFence(self._submit, f"kvfsm-{me.agent}")
         if s.gil_switch_interval_us > 0:
@@ -288,6 +321,9 @@ class WorkerSide:
         self._close_parts()
 
     def _close_parts(self) -> None:
+        if self._status is not None:
+            self._status.close()
+            self._status = None
         if self._directory is not None:
             self._directory.close()
             self._directory = None

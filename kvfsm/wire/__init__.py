@@ -9,6 +9,7 @@ from kvfsm.wire._auth import (
     Opened,
     ReplayGuard,
     SharedSecret,
+    carried,
     is_sealed,
 )
 from kvfsm.wire._messages import (
@@ -55,6 +56,7 @@ __all__ = [
     "SharedSecret",
     "WireError",
     "base_request_id",
+    "carried",
     "decode",
     "encode",
     "is_sealed",

@@ -259,7 +259,9 @@ def test_sweep_finds_every_expired_lease_when_heartbeats_reorder_deadlines(mode:
 @pytest.mark.parametrize("mode", MODES)
 def test_watchdog_reports_blocks_invalid_when_p_never_acts(mode: Mode) -> None:
     wd, fence = FAST_CONFIG.watchdog_s, FAST_CONFIG.fence_s
-    cluster = Cluster(mode)
+    # Without questions over the side channel (P would say it never heard of the request:
+    # `test_status.py` has that).
+    cluster = Cluster(mode, config=config(status_query_s=0.0))
     out = Outputs(cluster)
     pr = cluster.admit("r", 4)
     cluster.network.drop_next_notif("P#0")  # D's registration: P never acts on it
@@ -284,7 +286,7 @@ def test_watchdog_reports_blocks_invalid_when_p_never_acts(mode: Mode) -> None:
 
 def test_push_fence_holds_blocks_until_p_acknowledges() -> None:
     wd, fence = FAST_CONFIG.watchdog_s, FAST_CONFIG.fence_s
-    cluster = Cluster("push")
+    cluster = Cluster("push", config=config(status_query_s=0.0))  # the watchdog decides
     warm(cluster)
     out = Outputs(cluster)
     cluster.network.drop_next_notif("P#0")  # D's registration: P never learns of the request

@@ -14,7 +14,9 @@ def test_side_snapshot_follows_deadlines_tombstones_and_matches() -> None:
     before = (p.snapshot(), d.snapshot())
     c.admit("r1", 2)
     c.step(0.005)
-    assert [event for _, event, _ in d.snapshot().deadlines] == ["watchdog_expired"]
+    # The watchdog, and the question to P due before it (a lost completion's recovery).
+    events = [event for _, event, _ in d.snapshot().deadlines]
+    assert events == ["watchdog_expired", "completion_overdue"]
     c.finish_prefill("r1")
     c.settle()
     p_end, d_end = p.snapshot(), d.snapshot()
@@ -56,7 +58,8 @@ def test_directory_snapshot_counts_scripted_failures() -> None:
     c = Cluster(mode="push")
     c.directory.fail_next("P#0", times=2)
     c.directory.hang_next("P#0")
-    assert c.directory.snapshot() == ((("P#0", 2),), (("P#0", 1),))
+    c.directory.cut("D#0")
+    assert c.directory.snapshot() == ((("P#0", 2),), (("P#0", 1),), ("D#0",))
 
 
 def test_ledger_books_record_releases_and_receptions() -> None:

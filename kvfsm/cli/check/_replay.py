@@ -38,6 +38,7 @@ from kvfsm.cli.check._state import (
     is_late_bytes,
     message_print,
     pending_events,
+    questions,
 )
 from kvfsm.core import Mode, Step
 from kvfsm.fabric import SimFaults
@@ -164,6 +165,7 @@ class _Run:
         for agent in (a for a in _AGENTS if a not in c.dead):
             acts += [("kill", agent, "reset"), ("kill", agent, "cut")]
             shaking = any(e[1] == agent for x in c.live_engines() for e in handshakes(x))
+            shaking |= any(q.agent == agent for x in c.live_engines() for _, q in questions(x))
             if shaking and agent not in dict(c.directory.snapshot().failing):
                 acts.append(("handshake", agent))
         return acts
@@ -186,6 +188,11 @@ def _advance(c: Cluster, labelled: bool = False) -> str:
             for e in c.live_engines()
             for h in handshakes(e)
             if h[0] == due
+        ] + [
+            f"{e.agent}'s question to {q.agent}"
+            for e in c.live_engines()
+            for at, q in questions(e)
+            if at == due
         ]
         woken = [e.agent for e in c.live_engines() if e.next_wakeup() == due]
         what = ", ".join(shakes) or f"a wakeup of {' and '.join(woken)}"
@@ -206,7 +213,7 @@ def _inject(c: Cluster, action: Action) -> str:
         return f"fault: {'kill' if action[2] == 'reset' else 'silence'} {action[1]}"
     if kind == "handshake":
         c.directory.fail_next(action[1])
-        return f"fault: the handshake under way with {action[1]} fails"
+        return f"fault: the side channel's next exchange with {action[1]} fails"
     seq = int(action[1])
     when, ev = next((w, e) for w, s, e in net.snapshot().events if s == seq)
     ev = cast(Any, ev)  # a message, a completion or late bytes: told apart by their fields

@@ -21,6 +21,7 @@ import msgspec
 
 from kvfsm.core import SideSnapshot
 from kvfsm.fabric import FabricError
+from kvfsm.runtime import StatusQuery
 from kvfsm.sidechannel import DirectoryView
 from kvfsm.sim import FAST_CONFIG, Cluster
 from kvfsm.wire import WireError, decode
@@ -34,6 +35,7 @@ __all__ = [
     "is_late_bytes",
     "message_print",
     "pending_events",
+    "questions",
     "state_print",
 ]
 
@@ -66,6 +68,12 @@ def handshakes(engine: Any) -> list[tuple[Any, ...]]:
     """The handshakes an engine's `DirectoryView` has under way: (due time, peer, ...)."""
     directory = engine.directory
     return directory.under_way() if isinstance(directory, DirectoryView) else []
+
+
+def questions(engine: Any) -> list[tuple[float, StatusQuery]]:
+    """The questions about transfers an engine's `DirectoryView` has under way: (due, it)."""
+    directory = engine.directory
+    return directory.asks_under_way() if isinstance(directory, DirectoryView) else []
 
 
 class Namer:
@@ -162,6 +170,7 @@ def _engine_print(c: Cluster, agent: str, n: Namer, snap: SideSnapshot | None) -
             peers,
             flights,
             sorted((n.t(e[0]), e[1], e[-1]) for e in handshakes(engine)),
+            [(n.t(at), q.agent, n.id(q.requester_request_id)) for at, q in questions(engine)],
             sorted(ended),
             list(engine.routes()),
             side.shut_down,

@@ -68,6 +68,10 @@ FaultKind = Literal[
     "handshake_fail",
     "handshake_hang",  # the next handshake with `agent`
     "garbage",  # a malformed notification reaches `agent`
+    "lose",  # the next notification of kind `message` reaching `agent` is lost
+    "outage",  # every notification reaching `agent` is lost for `seconds`
+    "side_channel_cut",
+    "side_channel_restore",  # `agent`'s side channel: handshakes fail, questions unanswered
 ]
 SIM_ONLY_FAULTS = frozenset(
     {
@@ -169,12 +173,16 @@ class ExpectStep(_Step, frozen=True, tag="expect"):
 
 
 class FaultStep(_Step, frozen=True, tag="fault"):
-    """Inject one fault aimed at `agent` (see `FaultKind`); `seconds` for delay and hang."""
+    """Inject one fault aimed at `agent` (see `FaultKind`); `seconds` for delay, hang and
+    outage."""
 
     kind: FaultKind
     agent: str
     seconds: _Seconds = 0.7
     payload: Annotated[str, msgspec.Meta(max_length=256)] = "kv1"
+    message: Literal["reg", "grant", "writing", "done", "fail", "cancel", "ack", "hb"] = "done"
+    """For `lose`: the wire tag of the notification to lose (done, reg, grant, writing, fail,
+    cancel, ack, hb)."""
 
 
 Step = AdmitStep | FinishStep | AbortStep | AdvanceStep | UntilStep | ExpectStep | FaultStep

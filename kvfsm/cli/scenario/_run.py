@@ -210,6 +210,12 @@ class _Run:
             c.directory.fail_next(agent)
         elif kind == "handshake_hang":
             c.directory.hang_next(agent, seconds=step.seconds)
+        elif kind == "lose":
+            c.lose_notification(agent, step.message)
+        elif kind == "outage":
+            c.notification_outage(agent, step.seconds)
+        elif kind in ("side_channel_cut", "side_channel_restore"):
+            c.cut_side_channel(agent, kind == "side_channel_cut")
         else:
             c.inject_garbage(agent, step.payload.encode())
 
