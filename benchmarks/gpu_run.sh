@@ -50,7 +50,7 @@ done
 # 2. The VRAM tests.
 log "tests/fabric/test_vram.py"
 timeout 180 python3 -m pytest -q -p no:cacheprovider tests/fabric/test_vram.py \
-    >"$OUT/vram_tests.txt" 2>&1
+    tests/runtime/test_integrity.py -k "vram or gpu" >"$OUT/vram_tests.txt" 2>&1
 log "vram tests rc=$?"
 # vLLM's own layouts on VRAM, where vLLM is installed (it is too large to carry in a call).
 if python3 -c "import vllm" 2>/dev/null; then
@@ -82,4 +82,9 @@ bench layout_blhnc_8 150 --mode push --layout BLHNC --blocks 512 --blocks-per-re
 # 5. Host memory on the same machine, for the like-for-like gap at 1 MiB.
 bench dram_push_1 120 --memory dram --mode push --blocks 64 --blocks-per-request 1 \
     --requests 64 --inflight 1 4
+# 6. The cost of verify=all on the device (checksums taken by torch on the GPU): v/b.
+bench verify_push_8 150 --mode push --verify --variants raw engine --blocks 512 \
+    --blocks-per-request 8 --requests 64 --inflight 4 --repeat 1
+bench verify_pull_64 150 --mode pull --verify --variants raw engine --blocks 2048 \
+    --blocks-per-request 64 --requests 32 --inflight 4 --repeat 1
 log "finished"

@@ -28,9 +28,17 @@ from kvfsm.bench._raw import (
     run_variant,
     serve_target,
 )
-from kvfsm.bench._run import LAYOUTS, VARIANTS, BenchOptions, run_bench, steps
+from kvfsm.bench._run import (
+    DEFAULT_VARIANTS,
+    LAYOUTS,
+    VARIANTS,
+    BenchOptions,
+    run_bench,
+    steps,
+)
 
 __all__ = [
+    "DEFAULT_VARIANTS",
     "HOPS",
     "LAYOUTS",
     "MEMORIES",

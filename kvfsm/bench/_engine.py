@@ -24,6 +24,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -81,7 +82,7 @@ def bench_geometry(plan: BenchPlan) -> KvGeometry:
     )
 
 
-def _rank(side: str, plan: BenchPlan, coalesce: bool, conn: Connection) -> None:
+def _rank(side: str, plan: BenchPlan, coalesce: bool, verify: str, conn: Connection) -> None:
     """One rank process: serve the driver's steps, then report figures."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     from kvfsm.core import Consumer, CoreConfig, Identity, Producer
@@ -93,7 +94,8 @@ def _rank(side: str, plan: BenchPlan, coalesce: bool, conn: Connection) -> None:
     is_p = side == "P"
     mode = plan.mode
     g = bench_geometry(plan)
-    core = (Producer if is_p else Consumer)(Identity(side), mode, CoreConfig())
+    config = msgspec.convert({"verify": verify}, CoreConfig)
+    core = (Producer if is_p else Consumer)(Identity(side), mode, config)
     buf = kv_buffer(plan, is_p)
     rank = open_rank(
         core,
@@ -265,16 +267,17 @@ def _ids(blocks: list[int]) -> npt.NDArray[np.int32]:
     return np.asarray(blocks, dtype=np.int32)
 
 
-def run_engine_variant(plan: BenchPlan, *, coalesce: bool) -> dict[str, Any]:
-    """The engine's run (b, or c with `coalesce`): wall time, D's per-request latency (admit to
-    received), the posting side's CPU, descriptor counts and whether every byte arrived."""
+def run_engine_variant(plan: BenchPlan, *, coalesce: bool, verify: str = "off") -> dict[str, Any]:
+    """The engine's run (b, c with `coalesce`, or b with `verify`): wall time, D's per-request
+    latency (admit to received), the posting side's CPU, descriptor counts and whether every
+    byte arrived."""
     ctx = mp.get_context("spawn")
     pipes = {side: ctx.Pipe() for side in ("P", "D")}
-    variant = "coalesced" if coalesce else "engine"
+    variant = "coalesced" if coalesce else "engine" if verify == "off" else "verified"
     procs = [
         ctx.Process(
             target=_rank,
-            args=(side, plan, coalesce, child),
+            args=(side, plan, coalesce, verify, child),
             daemon=True,
             name=f"{variant} {side}",
         )

@@ -25,7 +25,7 @@ from kvfsm.core import Mode
 from kvfsm.fabric import UcxErrorHandling
 from kvfsm.harness import require_memory
 
-__all__ = ["LAYOUTS", "VARIANTS", "BenchOptions", "run_bench", "steps"]
+__all__ = ["DEFAULT_VARIANTS", "LAYOUTS", "VARIANTS", "BenchOptions", "run_bench", "steps"]
 
 # Report key -> how to run it, in the order they run.
 _VARIANTS: dict[str, Callable[[BenchPlan], dict[str, Any]]] = {
@@ -34,9 +34,12 @@ _VARIANTS: dict[str, Callable[[BenchPlan], dict[str, Any]]] = {
     "raw_unmerged": lambda plan: run_variant(plan, "raw_unmerged"),
     "engine": lambda plan: run_engine_variant(plan, coalesce=False),
     "coalesced": lambda plan: run_engine_variant(plan, coalesce=True),
+    "verified": lambda plan: run_engine_variant(plan, coalesce=False, verify="all"),
 }
 VARIANTS = tuple(_VARIANTS)
-"""The variants' report keys; "raw" and "engine" (a2 and b, the headline ratio) always run."""
+"""The variants' report keys; "raw" and "engine" (a2 and b, the headline ratio) always run;
+"verified" (b with `verify = "all"`: checksums on both sides) only when asked."""
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "verified")
 # Ratio key -> (numerator, denominator) variants; a ratio is None where one of them did not run.
 _RATIOS = {
     "ratio_engine_raw": ("engine", "raw"),
@@ -44,6 +47,7 @@ _RATIOS = {
     "ratio_coalesced_engine": ("coalesced", "engine"),
     "ratio_raw_vllm_style": ("raw", "raw_vllm_style"),
     "ratio_raw_unmerged": ("raw", "raw_unmerged"),
+    "ratio_verified_engine": ("verified", "engine"),
 }
 
 
@@ -74,7 +78,7 @@ class BenchOptions:
         repeat: int = 1,
         memory: Memory = "dram",
         more_inflight: tuple[int, ...] = (),
-        variants: tuple[str, ...] = VARIANTS,
+        variants: tuple[str, ...] = DEFAULT_VARIANTS,
         layout: str = "LBHNC",
     ) -> None:
         """`inflight`: the headline's transfers in flight at most; `more_inflight`: further

@@ -112,6 +112,7 @@ def bench_table(report: dict[str, object]) -> None:
         ("a2 raw, unmerged", "raw_unmerged"),
         ("b  engine per block", "engine"),
         ("c  engine coalesced", "coalesced"),
+        ("v  engine, verify=all", "verified"),
         ("d  memcpy" if report["memory"] == "dram" else "d  device copy", "memcpy"),
     ]
     for label, key in rows:
@@ -131,10 +132,11 @@ def bench_table(report: dict[str, object]) -> None:
     console.print(table)
     by_round: list[float] = report["ratio_engine_raw_by_round"]  # type: ignore[assignment]
     rounds = ", ".join(f"{r:.2f}" for r in by_round)
-    c_a1 = report.get("ratio_coalesced_raw")
+    c_a1, v_b = report.get("ratio_coalesced_raw"), report.get("ratio_verified_engine")
     console.print(
         f"b/a2 {report['ratio_engine_raw']:.2f} (round by round: {rounds})"
         + ("" if c_a1 is None else f"; c/a1 {c_a1:.2f}")
+        + ("" if v_b is None else f"; v/b {v_b:.2f} (the cost of verify=all)")
     )
     raw_us = float(report["raw_time_us_per_request"])  # type: ignore[arg-type]
     console.print(

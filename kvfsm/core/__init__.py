@@ -7,6 +7,7 @@ from kvfsm.core._config import (
     CoreConfig,
     Identity,
     Mode,
+    Verify,
     agent_name,
     check_tp_sizes,
     paired_ranks,
@@ -19,6 +20,7 @@ from kvfsm.core._io import (
     Abort,
     Admit,
     AskPeer,
+    BlocksVerified,
     CancelTransfer,
     Command,
     CommandFailed,
@@ -42,6 +44,7 @@ from kvfsm.core._io import (
     Tick,
     TransferResult,
     TransferStatus,
+    VerifyBlocks,
 )
 from kvfsm.core._producer import ConsumerLink, Producer
 from kvfsm.core._records import Peer, Request, TransferTally
@@ -53,6 +56,7 @@ __all__ = [
     "Abort",
     "Admit",
     "AskPeer",
+    "BlocksVerified",
     "CancelTransfer",
     "Command",
     "CommandFailed",
@@ -92,6 +96,8 @@ __all__ = [
     "TransferResult",
     "TransferStatus",
     "TransferTally",
+    "Verify",
+    "VerifyBlocks",
     "agent_name",
     "check_tp_sizes",
     "implementations",

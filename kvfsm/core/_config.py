@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import functools
+import zlib
 from typing import Literal
 
 import msgspec
 
-__all__ = ["CoreConfig", "Identity", "Mode", "agent_name", "check_tp_sizes", "paired_ranks"]
+__all__ = [
+    "CoreConfig",
+    "Identity",
+    "Mode",
+    "Verify",
+    "agent_name",
+    "check_tp_sizes",
+    "paired_ranks",
+]
 
 Mode = Literal["push", "pull"]
+Verify = Literal["off", "sample", "all"]
+_SAMPLE_ONE_IN = 8
 
 
 class Identity(msgspec.Struct, frozen=True):
@@ -65,6 +76,12 @@ class CoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How many finished request ids are remembered, to tell late messages from unknown ones."""
     trace: bool = True
     """Keep each request's transition history (state, event, time)."""
+    verify: Verify = "off"
+    """Check KV end to end: P sends a checksum of each transfer's bytes with its completion
+    (push) or grant (pull), and D checks its blocks against it before it reports them received;
+    a mismatch fails the request with its blocks invalid (`corrupted`). `sample`: one request in
+    8 (by a hash of P's request id), `all`: every one. D checks whatever checksum comes while
+    its own setting is not `off` (docs/runtime.md, "Integrity")."""
 
     @property
     def longest_wait_s(self) -> float:
@@ -72,6 +89,12 @@ class CoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         that trails a later one from its sender by more than this concerns a request whose
         sides have moved on."""
         return max(self.lease_s, self.watchdog_s, self.stall_s, self.producer_stall_s, self.fence_s)
+
+    def checksums(self, request_id: str) -> bool:
+        """Whether P sends a checksum for this request (see `verify`)."""
+        if self.verify == "all":
+            return True
+        return self.verify == "sample" and zlib.crc32(request_id.encode()) % _SAMPLE_ONE_IN == 0
 
     def ask_margin(self, bound_s: float) -> float | None:
         """How long before a bound of `bound_s` the peer is asked (None: never; see

@@ -13,11 +13,13 @@ from kvfsm.core._config import CoreConfig, Identity, Mode, agent_name, paired_ra
 from kvfsm.core._deadlines import earliest
 from kvfsm.core._io import (
     Admit,
+    BlocksVerified,
     PostTransfer,
     ReportFailed,
     ReportReceived,
     Tick,
     TransferStatus,
+    VerifyBlocks,
 )
 from kvfsm.core._records import Request, link_status
 from kvfsm.core._side import Side, SideSnapshot
@@ -54,6 +56,7 @@ class ProducerLink(msgspec.Struct, gc=False):
     transfer_id: int = 0
     incarnation: int = 0  # pull: the P process that granted (0: unknown)
     ok: bool | None = None  # its transfer's result, once counted
+    checksum: int | None = None  # pull: of the bytes its grant lets D read (verify on)
 
 
 class Consumer(Side):
@@ -72,6 +75,7 @@ class Consumer(Side):
         self._peer_agents: dict[tuple[str, int], tuple[str, ...]] = {}  # (P engine, TP) -> agents
         self._handlers[Admit] = self._on_admit
         self._handlers[Tick] = self._on_d_tick
+        self._handlers[BlocksVerified] = self._on_blocks_verified
         self._messages.update(
             {
                 Progress: self._on_progress,
@@ -156,8 +160,14 @@ class Consumer(Side):
 
     def _on_completion(self, msg: Completion, sender: str) -> None:
         req = self._request_from(msg.request_id, sender, "completion")
-        if req is not None:
-            self._result_from_peer(req, sender, True)
+        if req is None:
+            return
+        if msg.checksum is not None and self.config.verify != "off":
+            # P's WRITE landed; its bytes count once they match P's checksum.
+            p_blocks = np.zeros(msg.sender_blocks, dtype=np.int32)  # only their count pairs
+            self._emit(VerifyBlocks(req.id, sender, msg.checksum, req.blocks, p_blocks))
+            return
+        self._result_from_peer(req, sender, True)
 
     def _on_failure(self, msg: Failure, sender: str) -> None:
         req = self._request_from(msg.request_id, sender, "failure")
@@ -195,7 +205,30 @@ class Consumer(Side):
         link.block_ids = unpack_blocks(msg.block_ids)
         link.deadline = deadline
         link.incarnation = msg.incarnation
+        link.checksum = msg.checksum
         self._fire_from_peer(req, "peer_granted")
+
+    def _transfer_ended(self, req: Request, peer: str, ok: bool) -> None:
+        link = req.links.get(peer)
+        if ok and link is not None and link.checksum is not None and self.config.verify != "off":
+            # Our READ ended; its bytes count once they match P's checksum.
+            self._emit(VerifyBlocks(req.id, peer, link.checksum, req.blocks, link.block_ids))
+            return
+        self._tally_result(req, peer, ok)
+
+    def _on_blocks_verified(self, event: BlocksVerified) -> None:
+        req = self.requests.get(event.request_id)
+        if req is None or event.peer not in req.links:
+            self._count_error("late", f"verification of {event.request_id!r} after it ended")
+            return
+        if not event.ok:
+            self._count_error("corrupted", f"{req.id}: bytes from {event.peer} fail its checksum")
+        else:
+            self.counters["verified"] += 1
+        if self.mode == "push":
+            self._result_from_peer(req, event.peer, event.ok)
+        else:
+            self._tally_result(req, event.peer, event.ok)
 
     def _result_from_peer(self, req: Request, sender: str, ok: bool) -> None:
         event = "transfer_complete" if ok else "transfer_failed"

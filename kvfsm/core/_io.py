@@ -12,6 +12,7 @@ __all__ = [
     "Abort",
     "Admit",
     "AskPeer",
+    "BlocksVerified",
     "CancelTransfer",
     "Command",
     "CommandFailed",
@@ -35,6 +36,7 @@ __all__ = [
     "Tick",
     "TransferResult",
     "TransferStatus",
+    "VerifyBlocks",
 ]
 
 TransferStatus = Literal["done", "transferring", "waiting", "failed", "unknown", "unanswered"]
@@ -135,6 +137,15 @@ class PeerAnswered(_Io, frozen=True, gc=False):
     status: TransferStatus
 
 
+class BlocksVerified(_Io, frozen=True, gc=False):
+    """D: the bytes `peer`'s transfer left in the request's blocks did (`ok`) or did not match
+    the checksum it sent (`VerifyBlocks`)."""
+
+    request_id: str
+    peer: str
+    ok: bool
+
+
 class CommandFailed(_Io, frozen=True, gc=False):
     """The runtime could not carry out a command for `request_id` (a bug: the fabric's faults
     come as `TransferResult` and `PeerLost`). The core abandons the request safely."""
@@ -155,6 +166,7 @@ Event = (
     | PeerLost
     | TransferResult
     | PeerAnswered
+    | BlocksVerified
     | CommandFailed
 )
 
@@ -186,7 +198,9 @@ class AskPeer(_Io, frozen=True, gc=False):
 
 
 class PostTransfer(_Io, frozen=True, gc=False):
-    """Post a transfer between paired blocks; feed back `TransferResult`."""
+    """Post a transfer between paired blocks; feed back `TransferResult`. With `checksum`, the
+    runtime puts the checksum of the local bytes it moves into `notification` (a
+    `Completion`) first."""
 
     request_id: str
     transfer_id: int
@@ -195,6 +209,19 @@ class PostTransfer(_Io, frozen=True, gc=False):
     local_blocks: BlockIds
     remote_blocks: BlockIds
     notification: bytes
+    checksum: bool = False
+
+
+class VerifyBlocks(_Io, frozen=True, gc=False):
+    """D: compute the checksum of the local bytes `peer`'s transfer into `local_blocks` filled
+    (paired with the peer's `remote_blocks`, as the transfer was), compare it with `expected`,
+    and feed back `BlocksVerified`."""
+
+    request_id: str
+    peer: str
+    expected: int
+    local_blocks: BlockIds
+    remote_blocks: BlockIds
 
 
 class CancelTransfer(_Io, frozen=True, gc=False):
@@ -205,10 +232,12 @@ class CancelTransfer(_Io, frozen=True, gc=False):
 
 
 class SendNotification(_Io, frozen=True, gc=False):
-    """Send `payload` to `peer`."""
+    """Send `payload` to `peer`. With `checksum_blocks` (local, remote), the runtime first puts
+    into it (a `Grant`) the checksum of the local bytes those blocks select for the peer."""
 
     peer: str
     payload: bytes
+    checksum_blocks: tuple[BlockIds, BlockIds] | None = None
 
 
 class ReleaseBlocks(_Io, frozen=True, gc=False):
@@ -256,6 +285,7 @@ Command = (
     StartHandshake
     | RemoveAgent
     | AskPeer
+    | VerifyBlocks
     | PostTransfer
     | CancelTransfer
     | SendNotification

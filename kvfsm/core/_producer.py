@@ -9,7 +9,14 @@ import msgspec
 
 from kvfsm.core._config import CoreConfig, Identity, Mode, paired_ranks
 from kvfsm.core._deadlines import earliest
-from kvfsm.core._io import Admit, PostTransfer, PrefillFinished, Tick, TransferStatus
+from kvfsm.core._io import (
+    Admit,
+    PostTransfer,
+    PrefillFinished,
+    SendNotification,
+    Tick,
+    TransferStatus,
+)
 from kvfsm.core._matching import PendingRegistrations
 from kvfsm.core._records import Request, TransferTally, caller_blocks, link_status
 from kvfsm.core._side import Side, SideSnapshot
@@ -341,11 +348,21 @@ class Producer(Side):
                 self._tally_result(req, link.agent, False)
                 continue
             self._send(link.agent, Progress(link.request_id, req.id, *self._me))
-            done = encode(Completion(link.request_id, req.id, *self._me))
+            checksum = self.config.checksums(req.id)
+            done = encode(
+                Completion(
+                    link.request_id,
+                    req.id,
+                    *self._me,
+                    sender_blocks=len(req.blocks) if checksum else 0,
+                )
+            )
             # All of P's blocks and all of D's: the runtime pairs D's (after its prefix-cache
             # hit) with P's last ones, by the two block sizes, or fails the post.
             self._emit(
-                PostTransfer(req.id, tid, "WRITE", link.agent, req.blocks, link.block_ids, done)
+                PostTransfer(
+                    req.id, tid, "WRITE", link.agent, req.blocks, link.block_ids, done, checksum
+                )
             )
 
     def _tell_peers_abandoned(self, req: Request) -> None:
@@ -394,7 +411,8 @@ class Producer(Side):
                 grant = Grant(
                     link.request_id, req.id, *self._me, blocks, deadline, self.incarnation
                 )
-                self._send(link.agent, grant)
+                of = (req.blocks, link.block_ids) if self.config.checksums(req.id) else None
+                self._emit(SendNotification(link.agent, encode(grant), of))
 
     def _req_guard_consumer_released(self, req: Request) -> bool:
         return req.consumer_released

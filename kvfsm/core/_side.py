@@ -257,7 +257,11 @@ class Side:
             return
         if not event.ok:
             self._count_error("transfer_failed", f"{req.id}: {event.reason}")
-        self._tally_result(req, owner[1], event.ok)
+        self._transfer_ended(req, owner[1], event.ok)
+
+    def _transfer_ended(self, req: Request, peer: str, ok: bool) -> None:
+        """A transfer this side posted ended (D overrides: a READ's bytes are checked first)."""
+        self._tally_result(req, peer, ok)
 
     def _on_notification(self, event: NotificationReceived) -> None:
         try:

@@ -17,6 +17,7 @@ import msgspec
 
 from kvfsm.core import (
     AskPeer,
+    BlocksVerified,
     CancelTransfer,
     Command,
     CommandFailed,
@@ -39,6 +40,7 @@ from kvfsm.core import (
     Tick,
     TransferResult,
     TransferStatus,
+    VerifyBlocks,
     short_trace,
 )
 from kvfsm.fabric import Fabric, FabricError, RemoteDisconnectedError, XferHandle
@@ -46,11 +48,12 @@ from kvfsm.layout import Int64Array, coalesce
 from kvfsm.runtime._conformance import Conformance
 from kvfsm.runtime._guests import Guests
 from kvfsm.runtime._handshake import Directory, HandshakeError, PeerInfo, StatusQuery
+from kvfsm.runtime._integrity import kv_checksum
 from kvfsm.runtime._kv import KvCache
 from kvfsm.runtime._routes import Route, plan_route, prepare_route
 from kvfsm.runtime._seals import Seals, new_epoch
 from kvfsm.runtime._trace import RequestTrace, TransferStats, trace_of
-from kvfsm.wire import SharedSecret
+from kvfsm.wire import BlockIds, SharedSecret, decode, encode
 
 __all__ = ["CallerOutput", "Engine", "InFlight"]
 
@@ -138,6 +141,10 @@ class Engine:
             self._deregister()
             raise
         self._routes: dict[str, Route] = {}  # peer agent (loaded) -> how to move KV with it
+        self._local_rows: dict[str, Int64Array] = {}  # peer -> our rows of its pairing (verify)
+        self.checksum: Callable[[KvCache, Int64Array], int] = kv_checksum
+        """How the checksum of local rows is computed (`verify`): replaceable only by negative
+        controls, e.g. one that corrupts the bytes after taking it."""
         self.incarnation = new_epoch() if incarnation is None else incarnation
         side.incarnation = self.incarnation
         # A late notification is waited for as long as any request could still use it: twice
@@ -158,6 +165,7 @@ class Engine:
             StartHandshake: lambda c: self.directory.start(c.peer, c.contact),
             RemoveAgent: lambda c: self._forget_peer(c.peer),
             AskPeer: self._ask,
+            VerifyBlocks: self._verify,
             Finished: self._finished,
         }
 
@@ -321,6 +329,7 @@ class Engine:
             raise
 
     def _forget_peer(self, peer: str) -> None:
+        self._local_rows.pop(peer, None)
         route = self._routes.pop(peer, None)
         if route is None:
             return
@@ -365,7 +374,12 @@ class Engine:
         local_rows, remote_rows = rows
         handle = None
         descriptors = len(local_rows)
-        notification = self._seals.seal(cmd.peer, cmd.notification)
+        payload = cmd.notification
+        if cmd.checksum and route.descriptors is not None:
+            payload = _with_checksum(
+                payload, self.checksum(self.kv, route.descriptors[0][local_rows])
+            )
+        notification = self._seals.seal(cmd.peer, payload)
         try:
             if self._coalesce and route.descriptors is not None:
                 merged = coalesce(
@@ -445,7 +459,34 @@ class Engine:
         self.directory.ask(cmd.peer, query)
 
     def _notify(self, cmd: SendNotification) -> None:
-        self._send(cmd.peer, cmd.payload)
+        payload = cmd.payload
+        if cmd.checksum_blocks is not None:
+            rows = self._rows_of(cmd.peer, *cmd.checksum_blocks)
+            if rows is not None:  # else another rank moves these bytes: nothing to check
+                payload = _with_checksum(payload, self.checksum(self.kv, rows))
+        self._send(cmd.peer, payload)
+
+    def _verify(self, cmd: VerifyBlocks) -> None:
+        try:
+            rows = self._rows_of(cmd.peer, cmd.local_blocks, cmd.remote_blocks)
+            ok = rows is not None and self.checksum(self.kv, rows) == cmd.expected
+        except (KeyError, ValueError):  # no route to the peer any more, or blocks that cannot pair
+            ok = False
+        self._queue.append(BlocksVerified(cmd.request_id, cmd.peer, ok))
+
+    def _rows_of(self, peer: str, local: BlockIds, remote: BlockIds) -> Int64Array | None:
+        """Our descriptor rows of the bytes moved with `peer` for these blocks (None: another
+        rank moves them)."""
+        route = self._routes[peer]
+        if route.pairing is None:
+            return None
+        table = self._local_rows.get(peer)
+        if table is None:
+            table = route.descriptors[0] if route.descriptors is not None else None
+            if table is None:
+                table = route.pairing.local_descriptors(self.kv.layout)
+            self._local_rows[peer] = table
+        return table[route.rows(local, remote)[0]]
 
     def _send(self, peer: str, payload: bytes) -> bool:
         try:
@@ -475,6 +516,11 @@ class Engine:
         while self._memory:
             with _Tolerant(self.counters, "deregister"):
                 self.fabric.deregister_memory(self._memory.pop())
+
+
+def _with_checksum(payload: bytes, checksum: int) -> bytes:
+    """The message in `payload` (a `Completion` or `Grant`) carrying `checksum`."""
+    return encode(msgspec.structs.replace(decode(payload), checksum=checksum))
 
 
 class _Tolerant:

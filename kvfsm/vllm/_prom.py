@@ -42,6 +42,18 @@ class KvfsmPromMetrics(KVConnectorPromMetrics):
                     "refused_notifications",
                     "Notifications refused: replays, unauthenticated, or from strangers.",
                 ),
+                (
+                    "corrupted",
+                    "Transfers whose bytes failed their checksum (verify): blocks reported invalid.",
+                ),
+                (
+                    "verified",
+                    "Transfers whose bytes matched their checksum (verify).",
+                ),
+                (
+                    "recovered",
+                    "Transfers whose completion was lost, found done by asking the peer.",
+                ),
             )
         }
         self._seconds = counter(

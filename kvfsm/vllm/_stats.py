@@ -17,6 +17,9 @@ _COUNTS = (
     "descriptors",
     "internal_errors",
     "refused_notifications",
+    "corrupted",
+    "verified",
+    "recovered",
 )
 
 

@@ -64,6 +64,7 @@ __all__ = ["WorkerSide"]
 _log = logging.getLogger("vllm.kvfsm")  # under vLLM's logging configuration
 # The engine's counters of notifications it dropped unheard (docs/security.md).
 _REFUSALS = ("replayed", "unauthenticated", "stranger")
+_SIDE_COUNTS = ("corrupted", "verified", "recovered")  # the core's counters vLLM's metrics carry
 
 
 class WorkerSide:
@@ -92,7 +93,7 @@ class WorkerSide:
         self._fabric: NixlFabric | None = None
         self._lock = threading.Lock()
         self._awaited: set[str] = set()  # guarded by _lock
-        self._refused_reported = 0  # refused notifications already in a stats window
+        self._reported: Counter[str] = Counter()  # engine counts already in a stats window
         self._sending: set[str] = set()  # guarded by _lock
         self._recving: set[str] = set()  # guarded by _lock
         self._invalid: set[int] = set()  # guarded by _lock
@@ -254,13 +255,15 @@ class WorkerSide:
 
     def stats(self) -> dict[str, Any] | None:
         """Stats since the last call, or None if nothing happened."""
-        refused = 0
+        totals: Counter[str] = Counter()
         if self.engine is not None:  # read across threads: single dict lookups, no iteration
-            refused = sum(self.engine.counters[name] for name in _REFUSALS)
+            engine, side = self.engine.counters, self.engine.side.counters
+            totals["refused_notifications"] = sum(engine[name] for name in _REFUSALS)
+            totals.update({name: side[name] for name in _SIDE_COUNTS})
         with self._lock:
             window, self._stats = self._stats, StatsWindow()
-            window.counts["refused_notifications"] += refused - self._refused_reported
-            self._refused_reported = refused
+            window.counts.update(totals - self._reported)
+            self._reported = totals
         return None if window.empty else window.data()
 
     # --- from the loop thread --------------------------------------------------------------------

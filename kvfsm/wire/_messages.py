@@ -37,9 +37,11 @@ __all__ = [
 MAX_MESSAGE_BYTES = 1 << 20
 """Largest notification accepted (a registration of ~260,000 blocks)."""
 
-WIRE_VERSION = 2
-"""The version of these messages (2: registrations and grants name the sender's incarnation). It enters every handshake's compatibility hash and payload,
-so engines speaking different versions refuse each other before any transfer."""
+WIRE_VERSION = 3
+"""The version of these messages (2: registrations and grants name the sender's incarnation;
+3: completions and grants may carry a checksum of the bytes). It enters every handshake's
+compatibility hash and payload, so engines speaking different versions refuse each other before
+any transfer."""
 
 BlockIds = npt.NDArray[np.int32]
 
@@ -80,11 +82,13 @@ class Registration(_Msg, frozen=True, tag="reg"):
 class Grant(_Msg, frozen=True, tag="grant"):
     """P -> D (pull): read these P blocks now. D must not post a READ it could not finish (cancel)
     before `deadline` (P's clock, converted by D with its handshake's offset): P may release the
-    blocks after it. `incarnation` as in `Registration`."""
+    blocks after it. `incarnation` as in `Registration`. `checksum` (with `verify` on): of the
+    bytes D's READ will take, which D checks before it reports them received."""
 
     block_ids: bytes
     deadline: float
     incarnation: int = 0
+    checksum: int | None = None
 
 
 class Progress(_Msg, frozen=True, tag="writing"):
@@ -92,7 +96,13 @@ class Progress(_Msg, frozen=True, tag="writing"):
 
 
 class Completion(_Msg, frozen=True, tag="done"):
-    """Attached to a WRITE (to D) or READ (to P): the sender's transfer completed."""
+    """Attached to a WRITE (to D) or READ (to P): the sender's transfer completed. A WRITE's
+    (with `verify` on) carries the `checksum` of the bytes P wrote and P's block count
+    (`sender_blocks`: D pairs its blocks with P's last ones), which D checks before it reports
+    the blocks received."""
+
+    checksum: int | None = None
+    sender_blocks: int = 0
 
 
 class Failure(_Msg, frozen=True, tag="fail"):

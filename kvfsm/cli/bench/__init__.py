@@ -9,7 +9,16 @@ import argparse
 import json
 import sys
 
-from kvfsm.bench import LAYOUTS, MEMORIES, VARIANTS, BenchOptions, run_bench, steps, unavailable
+from kvfsm.bench import (
+    DEFAULT_VARIANTS,
+    LAYOUTS,
+    MEMORIES,
+    VARIANTS,
+    BenchOptions,
+    run_bench,
+    steps,
+    unavailable,
+)
 from kvfsm.cli._parsing import Commands
 from kvfsm.cli.render import bench_table, progress_bar
 
@@ -81,8 +90,13 @@ def add_command(commands: Commands) -> None:
         "--variants",
         nargs="+",
         choices=VARIANTS,
-        default=list(VARIANTS),
+        default=list(DEFAULT_VARIANTS),
         help="which variants run (raw and engine always do: b/a2 is the headline)",
+    )
+    bench.add_argument(
+        "--verify",
+        action="store_true",
+        help="also run the engine with verify=all (checksums on both sides; v/b is its cost)",
     )
     bench.add_argument(
         "--layout",
@@ -116,7 +130,7 @@ def _execute(args: argparse.Namespace) -> int:
             ucx_error_handling=args.ucx_error_handling,
             repeat=args.repeat,
             memory=args.memory,
-            variants=tuple(args.variants),
+            variants=(*args.variants, *(["verified"] if args.verify else [])),
             layout=args.layout,
         )
     except ValueError as exc:
