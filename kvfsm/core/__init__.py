@@ -21,6 +21,7 @@ from kvfsm.core._io import (
     CancelTransfer,
     Command,
     CommandFailed,
+    Drain,
     Event,
     Finished,
     HandshakeDone,
@@ -41,7 +42,7 @@ from kvfsm.core._io import (
     TransferResult,
 )
 from kvfsm.core._producer import ConsumerLink, Producer
-from kvfsm.core._records import Peer, Request, TransferTally
+from kvfsm.core._records import EngineRecord, Peer, Request, TransferTally
 from kvfsm.core._side import MAX_PEERS, Side, SideSnapshot
 from kvfsm.core._tombstones import Tombstones
 
@@ -56,6 +57,8 @@ __all__ = [
     "ConsumerLink",
     "CoreConfig",
     "Deadlines",
+    "Drain",
+    "EngineRecord",
     "Event",
     "Finished",
     "HandshakeDone",

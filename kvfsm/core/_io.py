@@ -14,6 +14,7 @@ __all__ = [
     "CancelTransfer",
     "Command",
     "CommandFailed",
+    "Drain",
     "Event",
     "Finished",
     "HandshakeDone",
@@ -67,6 +68,11 @@ class Abort(_Io, frozen=True, gc=False):
     """The caller aborts a request."""
 
     request_id: str
+
+
+class Drain(_Io, frozen=True, gc=False):
+    """The engine drains: no new request or registration is taken, what is under way ends,
+    and once nothing is live or held every connected peer is told goodbye (docs/lifecycles.md)."""
 
 
 class Tick(_Io, frozen=True, gc=False):
@@ -132,6 +138,7 @@ Event = (
     | Abort
     | Tick
     | Shutdown
+    | Drain
     | NotificationReceived
     | HandshakeDone
     | HandshakeFailed

@@ -15,7 +15,7 @@ from kvfsm.core._dispatch import FlatHistory, History, unflatten
 from kvfsm.layout import id_bounds
 from kvfsm.wire import BlockIds
 
-__all__ = ["Peer", "Request", "TransferTally", "caller_blocks"]
+__all__ = ["EngineRecord", "Peer", "Request", "TransferTally", "caller_blocks"]
 
 
 def caller_blocks(request_id: str, blocks: Any) -> BlockIds:
@@ -94,3 +94,11 @@ class Peer(msgspec.Struct, gc=False):
             self.clock_offset, self.clock_error = (lo + hi) / 2, (hi - lo) / 2
         else:
             self.clock_offset, self.clock_error, self.clock_measured = offset, error, True
+
+
+class EngineRecord(msgspec.Struct, gc=False):
+    """The local engine, as the `engine` lifecycle runs it (serving, draining, drained, closed)."""
+
+    id: str
+    state: str = "serving"
+    history: FlatHistory | None = None  # kept for requests only (`Side._new_request`)

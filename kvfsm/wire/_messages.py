@@ -21,6 +21,7 @@ __all__ = [
     "CancelAck",
     "Completion",
     "Failure",
+    "Goodbye",
     "Grant",
     "Heartbeat",
     "Message",
@@ -119,7 +120,27 @@ class Heartbeat(msgspec.Struct, frozen=True, tag_field="k", tag="hb", forbid_unk
     rank: int
 
 
-Message = Registration | Grant | Progress | Completion | Failure | Cancel | CancelAck | Heartbeat
+class Goodbye(msgspec.Struct, frozen=True, tag_field="k", tag="bye", forbid_unknown_fields=True):
+    """Either way: the sender is drained or closing; unload its agent now (its memory stays
+    mapped otherwise until an idle sweep). `incarnation` is the sending process's (0: unknown):
+    a late goodbye from a previous process must not drop a connection to its successor."""
+
+    rank: int
+    tp_size: int
+    incarnation: int = 0
+
+
+Message = (
+    Registration
+    | Grant
+    | Progress
+    | Completion
+    | Failure
+    | Cancel
+    | CancelAck
+    | Heartbeat
+    | Goodbye
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
