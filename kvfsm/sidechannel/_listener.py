@@ -11,6 +11,13 @@ from types import TracebackType
 import zmq
 
 from kvfsm.runtime import Guests
+from kvfsm.sidechannel._control import (
+    ControlReply,
+    ControlRequest,
+    decode_control_request,
+    encode_control,
+    is_control,
+)
 from kvfsm.sidechannel._payload import (
     _HARD_LIMIT_BYTES,
     MAX_HANDSHAKE_BYTES,
@@ -48,7 +55,10 @@ class HandshakeListener:
     accepted requester is admitted to `guests` (shared with the engines the listener serves,
     which take notifications only from peers they handshaked with and from guests).
     `.counters` counts requests by outcome (`accepted`, `refused`, `unauthenticated`,
-    `malformed`, `oversized`, `errors`; disjoint).
+    `malformed`, `oversized`, `errors`; disjoint; operator requests as `control`).
+    `on_control`, if given, answers operator requests (`kvfsm.sidechannel._control`: drain,
+    status) with the engine's state; called on the listener's thread, so it must be quick and
+    thread-safe. Without it they are refused.
     """
 
     def __init__(
@@ -59,8 +69,10 @@ class HandshakeListener:
         clock: Callable[[], float] = time.monotonic,
         secret: SharedSecret | None = None,
         guests: Guests | None = None,
+        on_control: Callable[[ControlRequest], str] | None = None,
     ) -> None:
         self._payloads = payloads
+        self.on_control = on_control
         self._secret = secret
         self.guests = Guests() if guests is None else guests
         self._clock = clock  # the engines' clock: every answer carries it
@@ -126,6 +138,9 @@ class HandshakeListener:
         envelope, body = frames[:1], frames[1:]
         if body and body[0] == b"":
             envelope, body = frames[:2], frames[2:]
+        if len(body) == 1 and is_control(body[0]):
+            self._socket.send_multipart([*envelope, self._control(body[0])], zmq.NOBLOCK)
+            return
         arrived = self._clock()
         nonce = b""
         try:
@@ -138,6 +153,25 @@ class HandshakeListener:
         # can pass one off as ours); an asker without the secret still reads why it was refused.
         # ROUTER drops (never blocks on) replies to peers that went away or are not reading.
         self._socket.send_multipart([*envelope, encode(reply, self._secret, nonce)], zmq.NOBLOCK)
+
+    def _control(self, frame: bytes) -> bytes:
+        """An operator's request, answered (refused without `on_control` or the secret)."""
+        try:
+            request = decode_control_request(frame, self._secret)
+        except SidechannelError as exc:
+            self.counters[
+                "unauthenticated" if isinstance(exc, Unauthenticated) else "malformed"
+            ] += 1
+            return encode_control(ControlReply("refused", str(exc)[:500]), None)
+        self.counters["control"] += 1
+        if self.on_control is None:
+            reply = ControlReply("refused", "this listener takes no operator requests")
+        else:
+            try:
+                reply = ControlReply(self.on_control(request))
+            except Exception as exc:
+                reply = ControlReply("refused", f"error: {exc!r:.200}")
+        return encode_control(reply, self._secret, request.nonce)
 
     def _reply(self, body: list[bytes], arrived: float) -> tuple[HandshakeReply, str, bytes]:
         """The reply, the outcome counted, and the nonce its tag covers (none for a request that

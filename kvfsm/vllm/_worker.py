@@ -224,10 +224,13 @@ class WorkerSide:
         refused = 0
         if self.engine is not None:  # read across threads: single dict lookups, no iteration
             refused = sum(self.engine.counters[name] for name in _REFUSALS)
+        state = "serving" if self.engine is None else self.engine.side.engine.state
         with self._lock:
             window, self._stats = self._stats, StatsWindow()
             window.counts["refused_notifications"] += refused - self._refused_reported
             self._refused_reported = refused
+        if state != "serving":  # every step while it drains: the scheduler waits for it
+            window.engines[state] += 1
         return None if window.empty else window.data()
 
     # --- from the loop thread --------------------------------------------------------------------
@@ -261,7 +264,10 @@ class WorkerSide:
         exc = future.exception()
         if exc is None:
             return
-        rid = event.request_id  # type: ignore[union-attr]
+        rid = getattr(event, "request_id", None)
+        if rid is None:  # a drain the engine had no use for (closed): nothing waits on it
+            self.counters["refused_events"] += 1
+            return
         engine = self.engine
         with self._lock:
             self.counters["refused_events"] += 1
