@@ -42,6 +42,11 @@ class KvfsmPromMetrics(KVConnectorPromMetrics):
                     "refused_notifications",
                     "Notifications refused: replays, unauthenticated, or from strangers.",
                 ),
+                ("goodbyes", "Goodbyes heard: a peer engine drained or closed."),
+                (
+                    "peers_removed",
+                    "Peer NIXL agents unloaded (goodbye, loss, idle TTL, re-handshake).",
+                ),
             )
         }
         gauge = self._gauge_cls

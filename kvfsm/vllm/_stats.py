@@ -17,6 +17,8 @@ _COUNTS = (
     "descriptors",
     "internal_errors",
     "refused_notifications",
+    "goodbyes",
+    "peers_removed",
 )
 
 

@@ -78,6 +78,7 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._awaited: set[str] = set()  # guarded by _lock
         self._refused_reported = 0  # refused notifications already in a stats window
+        self._peers_reported = Counter[str]()  # goodbyes heard, agents unloaded: reported
         self._sending: set[str] = set()  # guarded by _lock
         self._recving: set[str] = set()  # guarded by _lock
         self._invalid: set[int] = set()  # guarded by _lock
@@ -222,13 +223,18 @@ class WorkerSide:
     def stats(self) -> dict[str, Any] | None:
         """Stats since the last call, or None if nothing happened."""
         refused = 0
+        peers = Counter[str]()
         if self.engine is not None:  # read across threads: single dict lookups, no iteration
             refused = sum(self.engine.counters[name] for name in _REFUSALS)
+            peers["goodbyes"] = self.engine.side.counters["goodbyes"]
+            peers["peers_removed"] = self.engine.counters["peers_removed"]
         state = "serving" if self.engine is None else self.engine.side.engine.state
         with self._lock:
             window, self._stats = self._stats, StatsWindow()
             window.counts["refused_notifications"] += refused - self._refused_reported
             self._refused_reported = refused
+            window.counts.update(peers - self._peers_reported)
+            self._peers_reported = peers
         if state != "serving":  # every step while it drains: the scheduler waits for it
             window.engines[state] += 1
         return None if window.empty else window.data()
