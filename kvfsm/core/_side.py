@@ -558,9 +558,13 @@ class Side:
         """New work is refused where it arrives (admission, registrations); P overrides."""
 
     def _engine_cmd_say_goodbye(self, _engine: EngineRecord) -> None:
+        # Not to a peer a live request still uses (a shutdown with transfers in flight): it
+        # would take the goodbye as the loss of this engine and end its side of the request
+        # while our transfer may still land; it learns of the loss from the fabric instead.
         bye = Goodbye(self.identity.rank, self.identity.tp_size, self.incarnation)
+        used = {agent for req in self.requests.values() for agent in req.peers}
         for peer in self.peers.values():
-            if peer.state == "connected":
+            if peer.state == "connected" and peer.id not in used:
                 self._send(peer.id, bye)
                 self.counters["goodbyes_sent"] += 1
 

@@ -128,3 +128,18 @@ def test_draining_twice_changes_nothing_and_shutdown_closes() -> None:
     assert _engine_state(cluster, "P#0") == "drained"
     cluster.engines["P#0"].submit(Shutdown())
     assert _engine_state(cluster, "P#0") == "closed"
+
+
+def test_shutdown_says_no_goodbye_to_a_peer_a_transfer_still_uses() -> None:
+    """A goodbye ends the peer's side of the requests using us: while our WRITE may still land,
+    D must not hear it (it would release the blocks); it learns of the loss from the fabric."""
+    cluster = Cluster("push", faults=SimFaults(transfer_latency=0.05))
+    warm(cluster)
+    pr = cluster.admit("r", 4)
+    cluster.finish_prefill("r")
+    p = cluster.engines["P#0"]
+    run_until(cluster, lambda: p.side.requests[pr.p_id].state == "writing", dt=1e-3)
+    p.submit(Shutdown())
+    cluster.collect()
+    assert p.side.counters["goodbyes_sent"] == 0
+    assert cluster.engines["D#0"].side.peers["P#0"].state == "connected"
