@@ -72,7 +72,7 @@ test-fast: $(STAMP) $(VLLM_STAMP)
 	CI=$${CI:-true} $(BIN)/pytest -q -m "not nixl and not vllm and not slow" -n 2 --dist loadfile tests
 
 # The exhaustive check at CI's bound (depth 9, both modes, one worker per CPU; minutes): CI runs
-# it beside `make test`, whose pytest explores depth 7. CHECK_DEPTH=11 and up for a deeper run.
+# it beside `make test`, whose pytest explores depth 6. CHECK_DEPTH=11 and up for a deeper run.
 CHECK_DEPTH ?= 9
 check: $(STAMP)
 	$(BIN)/kvfsm check --mode both --depth $(CHECK_DEPTH)

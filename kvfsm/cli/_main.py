@@ -1,4 +1,4 @@
-"""The `kvfsm` command line: `demo`, `bench`, `scenario`, `check`, `diagrams`."""
+"""The `kvfsm` command line: `demo`, `bench`, `scenario`, `check`, `diagrams`, `drain`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 
-from kvfsm.cli import bench, check, demo, diagrams, scenario
+from kvfsm.cli import bench, check, demo, diagrams, drain, scenario
 
 __all__ = ["main"]
 
@@ -18,7 +18,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     parser = argparse.ArgumentParser(prog="kvfsm", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    for command in (demo, bench, scenario, diagrams, check):
+    for command in (demo, bench, scenario, diagrams, check, drain):
         command.add_command(commands)
     for sub in commands.choices.values():
         sub.formatter_class = _WithDefaults

@@ -24,6 +24,7 @@ from kvfsm.core._io import (
     CancelTransfer,
     Command,
     CommandFailed,
+    Drain,
     Event,
     Finished,
     HandshakeDone,
@@ -47,7 +48,7 @@ from kvfsm.core._io import (
     VerifyBlocks,
 )
 from kvfsm.core._producer import ConsumerLink, Producer
-from kvfsm.core._records import Peer, Request, TransferTally
+from kvfsm.core._records import EngineRecord, Peer, Request, TransferTally
 from kvfsm.core._side import MAX_PEERS, Side, SideSnapshot
 from kvfsm.core._tombstones import Tombstones
 
@@ -64,6 +65,8 @@ __all__ = [
     "ConsumerLink",
     "CoreConfig",
     "Deadlines",
+    "Drain",
+    "EngineRecord",
     "Event",
     "Finished",
     "HandshakeDone",

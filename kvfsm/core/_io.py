@@ -16,6 +16,7 @@ __all__ = [
     "CancelTransfer",
     "Command",
     "CommandFailed",
+    "Drain",
     "Event",
     "Finished",
     "HandshakeDone",
@@ -77,6 +78,11 @@ class Abort(_Io, frozen=True, gc=False):
     """The caller aborts a request."""
 
     request_id: str
+
+
+class Drain(_Io, frozen=True, gc=False):
+    """The engine drains: no new request or registration is taken, what is under way ends,
+    and once nothing is live or held every connected peer is told goodbye (docs/lifecycles.md)."""
 
 
 class Tick(_Io, frozen=True, gc=False):
@@ -160,6 +166,7 @@ Event = (
     | Abort
     | Tick
     | Shutdown
+    | Drain
     | NotificationReceived
     | HandshakeDone
     | HandshakeFailed

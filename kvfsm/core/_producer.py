@@ -18,7 +18,13 @@ from kvfsm.core._io import (
     TransferStatus,
 )
 from kvfsm.core._matching import PendingRegistrations
-from kvfsm.core._records import Request, TransferTally, caller_blocks, link_status
+from kvfsm.core._records import (
+    EngineRecord,
+    Request,
+    TransferTally,
+    caller_blocks,
+    link_status,
+)
 from kvfsm.core._side import Side, SideSnapshot
 from kvfsm.core._tombstones import Tombstones
 from kvfsm.wire import (
@@ -106,6 +112,8 @@ class Producer(Side):
             return
         req.blocks = caller_blocks(req.id, event.blocks)
         self._req.fire(req, "prefill_finished", self._now)
+        if self.draining and req.state in _LEASED:
+            self._req.fire(req, "lease_expired", self._now)
 
     def snapshot(self) -> SideSnapshot:
         """The side's bookkeeping, with P's registrations: unmatched, matched, and ended bases."""
@@ -148,7 +156,9 @@ class Producer(Side):
             self._count_error("duplicate", f"registration {key}")
             return
         req = self._match(msg)
-        if req is not None:
+        if self.draining and (req is None or not req.links):  # not another rank's share
+            self._refuse_draining(msg, sender)
+        elif req is not None:
             self._attach(req, msg, sender)
         elif not msg.request_id and base_request_id(msg.sender_request_id) in self._ended_bases:
             # D named no P id and the request its base id names has ended here: do not keep D
@@ -161,6 +171,13 @@ class Producer(Side):
             self._reply(sender, failure, msg.contact)
         else:
             self._pending.add(msg, sender, self._now)
+
+    def _refuse_draining(self, msg: Registration, sender: str) -> None:
+        """Tell D at once that this engine drains: D fails the request over (vLLM recomputes
+        the prompt) instead of waiting out its watchdog."""
+        self.counters["refused_draining"] += 1
+        failure = Failure(msg.sender_request_id, msg.request_id, *self._me, "draining")
+        self._reply(sender, failure, msg.contact)
 
     def _on_cancel(self, msg: Cancel, sender: str) -> None:
         key = (sender, msg.sender_request_id)
@@ -384,8 +401,10 @@ class Producer(Side):
         self._tally_result(req, link.agent, False)
 
     def _req_cmd_notify_peer_failed(self, req: Request) -> None:
+        # A lease cut short by the drain says so: D fails over, knowing why.
+        reason = "draining" if self.draining and req.state == "expired" else req.state
         for link in req.links.values():
-            self._reply(link.agent, Failure(link.request_id, req.id, *self._me, req.state))
+            self._reply(link.agent, Failure(link.request_id, req.id, *self._me, reason))
 
     def _req_cmd_ack_cancel(self, req: Request) -> None:
         # Every D rank of the request, and the one whose cancel is being handled (it may have
@@ -414,6 +433,18 @@ class Producer(Side):
                 of = (req.blocks, link.block_ids) if self.config.checksums(req.id) else None
                 self._emit(SendNotification(link.agent, encode(grant), of))
 
+    def _engine_cmd_stop_intake(self, _engine: EngineRecord) -> None:
+        # Registrations parked for requests P never admitted: refused now (P admits no more).
+        for sender, d_id, _ in self._pending.items():
+            entry = self._pending.drop((sender, d_id))
+            self._refuse_draining(entry.message, sender)
+        # Blocks held under a lease with no transfer started: released now, D hears
+        # `draining` (docs/lifecycles.md); a lease would otherwise hold the drain up to
+        # `lease_s`.
+        for req in list(self.requests.values()):
+            if req.state in _LEASED:
+                self._runq.post(self._req, req, "lease_expired")
+
     def _req_guard_consumer_released(self, req: Request) -> bool:
         return req.consumer_released
 
@@ -435,6 +466,7 @@ class Producer(Side):
 
 
 _CANCELLED = "cancelled"
+_LEASED = frozenset(("leased", "matched"))  # blocks held under a lease, nothing posted or granted
 
 
 def _consumer_key(agent: str, request_id: str) -> str:

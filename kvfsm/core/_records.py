@@ -16,7 +16,7 @@ from kvfsm.core._io import TransferStatus
 from kvfsm.layout import id_bounds
 from kvfsm.wire import BlockIds
 
-__all__ = ["Peer", "Request", "TransferTally", "caller_blocks", "link_status"]
+__all__ = ["EngineRecord", "Peer", "Request", "TransferTally", "caller_blocks", "link_status"]
 
 
 def caller_blocks(request_id: str, blocks: Any) -> BlockIds:
@@ -103,3 +103,11 @@ def link_status(ok: bool | None, under_way: bool) -> TransferStatus:
     if ok is not None:
         return "done" if ok else "failed"
     return "transferring" if under_way else "waiting"
+
+
+class EngineRecord(msgspec.Struct, gc=False):
+    """The local engine, as the `engine` lifecycle runs it (serving, draining, drained, closed)."""
+
+    id: str
+    state: str = "serving"
+    history: FlatHistory | None = None  # kept for requests only (`Side._new_request`)

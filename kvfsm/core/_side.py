@@ -21,6 +21,7 @@ from kvfsm.core._io import (
     CancelTransfer,
     Command,
     CommandFailed,
+    Drain,
     Finished,
     HandshakeDone,
     HandshakeFailed,
@@ -39,21 +40,32 @@ from kvfsm.core._io import (
     TransferStatus,
 )
 from kvfsm.core._quarantine import Quarantine
-from kvfsm.core._records import Peer, Request, TransferTally, caller_blocks
+from kvfsm.core._records import EngineRecord, Peer, Request, TransferTally, caller_blocks
 from kvfsm.core._tombstones import Tombstones
 from kvfsm.lifecycle import LocalProtocolError, ProtocolError, RemoteProtocolError, load
-from kvfsm.wire import BlockIds, Message, WireError, decode, encode
+from kvfsm.wire import BlockIds, Goodbye, Message, WireError, decode, encode
 
 __all__ = ["MAX_PEERS", "MODEL_PREFIXES", "Side", "SideSnapshot"]
 
 _MAX_ERRORS_KEPT = 64
-MODEL_PREFIXES = {"request": "_req_", "peer": "_peer_", "transfer": "_tally_"}
+MODEL_PREFIXES = {
+    "request": "_req_",
+    "peer": "_peer_",
+    "transfer": "_tally_",
+    "engine": "_engine_",
+}
 """The prefix of the methods that implement each kind of lifecycle's guards and commands."""
 _MAX_OUTBOX = 256  # replies queued for one peer that is not connected yet
 MAX_PEERS = 4096
 """Peers a side remembers; past it, inert ones (never connected, failed or evicted; unused) go."""
 _INERT = frozenset(("unknown", "failed", "evicted"))
-_CALLER_EVENTS = (Admit, PrefillFinished, Abort, Shutdown)  # their own errors are the caller's
+_CALLER_EVENTS = (
+    Admit,
+    PrefillFinished,
+    Abort,
+    Shutdown,
+    Drain,
+)  # their own errors are the caller's
 
 
 class SideSnapshot(NamedTuple):
@@ -70,6 +82,7 @@ class SideSnapshot(NamedTuple):
     consumed: tuple[tuple[str, str], ...] = ()
     ended_bases: tuple[str, ...] = ()
     next_heartbeat: float | None = None
+    engine: str = "serving"
 
 
 class Side:
@@ -109,10 +122,14 @@ class Side:
         self._req.on_terminal = self._on_request_ended
         self._peer = Dispatcher(load("peer"), self, MODEL_PREFIXES["peer"], self.side)
         self._tally = Dispatcher(load("transfer"), self, MODEL_PREFIXES["transfer"], self.side)
+        self._engine = Dispatcher(load("engine"), self, MODEL_PREFIXES["engine"], self.side)
+        self.engine = EngineRecord(identity.agent)
+        """The local engine's lifecycle (`engine.state`: serving, draining, drained, closed)."""
         self._handlers: dict[type, Callable[[Any], None]] = {
             Abort: self._on_abort,
             Tick: self._on_tick,
             Shutdown: self._on_shutdown,
+            Drain: self._on_drain,
             NotificationReceived: self._on_notification,
             HandshakeDone: self._on_handshake_done,
             HandshakeFailed: self._on_handshake_failed,
@@ -121,7 +138,7 @@ class Side:
             PeerAnswered: self._on_peer_answered,
             CommandFailed: self._on_command_failed,
         }
-        self._messages: dict[type, Callable[[Any, str], None]] = {}
+        self._messages: dict[type, Callable[[Any, str], None]] = {Goodbye: self._on_goodbye}
         self.shut_down = False
         self._next_peer_sweep: float | None = None  # while a peer is connected
 
@@ -133,6 +150,7 @@ class Side:
             deadlines=(*self.deadlines.armed(), *self.queries.armed()),
             tombstones=tuple(self.tombstones.items()),
             next_peer_sweep=self._next_peer_sweep,
+            engine=self.engine.state,
         )
 
     def handle(self, event: Any, now: float) -> list[Command]:
@@ -163,12 +181,19 @@ class Side:
                 self._contain(failed, failed.cause, failed.instances)
             except Exception as exc:  # a queued event its instance does not take: a bug
                 self._contain(exc, exc, ())
+        if self.engine.state == "draining" and self._settled():
+            self._engine.fire(self.engine, "settled", now)
         return out
 
     def set_recorder(self, recorder: Recorder | None) -> None:
         """Report every step taken (for conformance checks and coverage); None to stop."""
-        for dispatcher in (self._req, self._peer, self._tally):
+        for dispatcher in (self._req, self._peer, self._tally, self._engine):
             dispatcher.recorder = recorder
+
+    @property
+    def draining(self) -> bool:
+        """The engine drains or is drained: it takes no new request or registration."""
+        return self.engine.state in ("draining", "drained")
 
     def next_wakeup(self) -> float | None:
         """When the side next needs a `Tick` (its next deadline), for an event loop's timeout."""
@@ -224,8 +249,13 @@ class Side:
             req.abort_requested = True
             if self._req.accepts(req.state, "abort"):
                 self._req.fire(req, "abort", self._now)
+        if self.engine.state != "closed":  # goodbyes go out before the agents are unloaded
+            self._engine.fire(self.engine, "shutdown", self._now)
         for peer in list(self.peers.values()):
             self._peer.fire(peer, "shutdown", self._now)
+
+    def _on_drain(self, _event: Drain) -> None:
+        self._engine.fire(self.engine, "drain", self._now)
 
     def _on_handshake_done(self, event: HandshakeDone) -> None:
         peer = self.peers.get(event.peer)
@@ -374,6 +404,8 @@ class Side:
     def _new_request(self, request_id: str, blocks: BlockIds) -> Request:
         if self.shut_down:
             raise RuntimeError(f"{self.side} is shut down: cannot admit {request_id!r}")
+        if self.draining:  # the caller's fault: it asked for the drain
+            raise LocalProtocolError(request_id, self.side, "engine", self.engine.state, "admit")
         if request_id in self.requests:  # the caller admitted it twice
             state, name = self.requests[request_id].state, self._req.lifecycle.name
             raise LocalProtocolError(request_id, self.side, name, state, "admit")
@@ -568,6 +600,37 @@ class Side:
             if peer.id in req.peers:
                 req.lost |= {peer.id}
                 self._runq.post(self._req, req, "peer_unreachable")
+
+    def _on_goodbye(self, msg: Goodbye, sender: str) -> None:
+        peer = self.peers.get(sender)
+        if peer is None:
+            self.counters["goodbye_unknown"] += 1
+            return
+        if msg.incarnation and peer.incarnation and msg.incarnation != peer.incarnation:
+            self._count_error("stale_incarnation", f"goodbye from {sender}'s {msg.incarnation}")
+            return
+        self.counters["goodbyes"] += 1
+        self._peer_event(sender, "goodbye")
+
+    # --- the engine lifecycle -------------------------------------------------------------------
+
+    def _settled(self) -> bool:
+        """Nothing live and nothing held: the drain is over."""
+        return not self.requests and not len(self.quarantine)
+
+    def _engine_cmd_stop_intake(self, _engine: EngineRecord) -> None:
+        """New work is refused where it arrives (admission, registrations); P overrides."""
+
+    def _engine_cmd_say_goodbye(self, _engine: EngineRecord) -> None:
+        # Not to a peer a live request still uses (a shutdown with transfers in flight): it
+        # would take the goodbye as the loss of this engine and end its side of the request
+        # while our transfer may still land; it learns of the loss from the fabric instead.
+        bye = Goodbye(self.identity.rank, self.identity.tp_size, self.incarnation)
+        used = {agent for req in self.requests.values() for agent in req.peers}
+        for peer in self.peers.values():
+            if peer.state == "connected" and peer.id not in used:
+                self._send(peer.id, bye)
+                self.counters["goodbyes_sent"] += 1
 
     # --- the transfer tally ---------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ MODEL_NAMES = (
     "consumer_pull",
     "peer",
     "transfer",
+    "engine",
 )
 
 _GUARD = "guard_"

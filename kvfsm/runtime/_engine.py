@@ -333,6 +333,7 @@ class Engine:
         route = self._routes.pop(peer, None)
         if route is None:
             return
+        self.counters["peers_removed"] += 1
         with _Tolerant(self.counters, "remove_agent"):
             for dlist in (route.local, route.remote):
                 if dlist is not None:

@@ -4,7 +4,10 @@ The contract of vLLM's toy proxy for its NIXL connector: each request goes to a 
 with ``kv_transfer_params={"do_remote_decode": true}`` and ``max_tokens=1``; P's answer carries
 the ``kv_transfer_params`` that the decode engine needs, and the request goes to D with them.
 With several P and D engines, requests go round-robin, and an engine that does not accept the
-connection (down, restarting) is passed over for the next one. Each answer's `Server-Timing`
+connection (down, restarting) is passed over for the next one. A prefill engine that drains
+answers ``kv_transfer_params={"kvfsm_refused": "draining"}`` (kvfsm's connector): the request
+goes to the next P and that engine is passed over for `DRAINING_SKIP_S`; when every P drains,
+D computes the prompt itself. Each answer's `Server-Timing`
 header says how long P and D took. Standard library only; one thread a request. Run:
 ``python -m kvfsm.serving.proxy --port 8000 --prefill localhost:8100 --decode localhost:8200``.
 """
@@ -22,10 +25,13 @@ from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["Proxy", "main"]
+__all__ = ["DRAINING_SKIP_S", "Proxy", "main"]
 
 _MAX_BODY = 16 << 20  # a completion request bigger than this is refused
 _TIMEOUT_S = 600.0
+DRAINING_SKIP_S = 30.0
+"""How long a prefill engine that said it drains is passed over (then it is tried again: an
+engine restarted at the same address serves)."""
 
 
 class _Server(ThreadingHTTPServer):
@@ -45,6 +51,9 @@ class Proxy:
         self._p, self._d = itertools.cycle(prefill), itertools.cycle(decode)
         self._counts = len(prefill), len(decode)
         self._lock = threading.Lock()
+        self._draining: dict[str, float] = {}  # P address -> when it said it drains
+        self.refused_draining = 0
+        """Prefills a draining P refused (each sent on to another P)."""
         self.server = _Server(("127.0.0.1", port), _handler(self))
         self.port = self.server.server_address[1]
 
@@ -55,28 +64,45 @@ class Proxy:
         prefill = {**request, "max_tokens": 1, "stream": False}
         prefill["kv_transfer_params"] = {"do_remote_decode": True}
         t0 = time.perf_counter()
-        status, body = self._post_any(self._p, self._counts[0], prefill)
+        params = None
+        for _ in range(self._counts[0]):
+            status, body, address = self._post_any(self._p, self._counts[0], prefill, True)
+            if not address:  # every P drains: D computes the prompt
+                break
+            if status != 200:
+                return status, body, f"prefill;dur={(time.perf_counter() - t0) * 1e3:.3f}"
+            params = json.loads(body).get("kv_transfer_params")
+            if not (isinstance(params, dict) and params.get("kvfsm_refused") == "draining"):
+                break
+            with self._lock:
+                self._draining[address] = time.monotonic()
+                self.refused_draining += 1
+            params = None
         t1 = time.perf_counter()
-        if status != 200:
-            return status, body, f"prefill;dur={(t1 - t0) * 1e3:.3f}"
-        params = json.loads(body).get("kv_transfer_params")
         decode = {**request, "kv_transfer_params": params}
-        status, body = self._post_any(self._d, self._counts[1], decode)
+        status, body, _ = self._post_any(self._d, self._counts[1], decode)
         ms = ((t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
         return status, body, "prefill;dur={:.3f}, decode;dur={:.3f}".format(*ms)
 
     def _post_any(
-        self, engines: Iterator[str], count: int, body: dict[str, Any]
-    ) -> tuple[int, bytes]:
-        """`body` to the next engine in turn that accepts the connection."""
+        self, engines: Iterator[str], count: int, body: dict[str, Any], prefill: bool = False
+    ) -> tuple[int, bytes, str]:
+        """`body` to the next engine in turn that accepts the connection (for a prefill, one
+        that did not say it drains); the status, body and the engine ("" if none was tried)."""
+        error: dict[str, Any] = {"error": {"message": "no engine", "type": "BadGateway"}}
+        tried = ""
         for _ in range(count):
             with self._lock:
                 address = next(engines)
+                said = self._draining.get(address)
+            if prefill and said is not None and time.monotonic() - said < DRAINING_SKIP_S:
+                continue
+            tried = address
             try:
-                return _post(address, body)
+                return (*_post(address, body), address)
             except _Unreachable as exc:
                 error = {"error": {"message": str(exc), "type": "BadGateway"}}
-        return 502, json.dumps(error).encode()
+        return 502, json.dumps(error).encode(), tried
 
     def serve_forever(self) -> None:
         """Serve until `close`."""

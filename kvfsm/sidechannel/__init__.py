@@ -10,6 +10,7 @@ within one process, for the simulated fabric. Both ends agree on a `compat_hash`
 
 from kvfsm.sidechannel._client import fetch_peer, validate
 from kvfsm.sidechannel._clock import clock_offset
+from kvfsm.sidechannel._control import ControlReply, ControlRequest, request_control
 from kvfsm.sidechannel._listener import HandshakeListener
 from kvfsm.sidechannel._local_directory import DirectorySnapshot, DirectoryView, LocalDirectory
 from kvfsm.sidechannel._payload import (
@@ -32,6 +33,8 @@ from kvfsm.sidechannel._zmq_directory import ZmqDirectory
 
 __all__ = [
     "MAX_HANDSHAKE_BYTES",
+    "ControlReply",
+    "ControlRequest",
     "DirectorySnapshot",
     "DirectoryView",
     "HandshakeAccepted",
@@ -55,5 +58,6 @@ __all__ = [
     "encode",
     "fetch_peer",
     "payload_of",
+    "request_control",
     "validate",
 ]

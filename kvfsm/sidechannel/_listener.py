@@ -11,6 +11,13 @@ from types import TracebackType
 import zmq
 
 from kvfsm.runtime import Guests
+from kvfsm.sidechannel._control import (
+    ControlReply,
+    ControlRequest,
+    decode_control_request,
+    encode_control,
+    is_control,
+)
 from kvfsm.sidechannel._payload import (
     _HARD_LIMIT_BYTES,
     MAX_HANDSHAKE_BYTES,
@@ -50,9 +57,11 @@ class HandshakeListener:
     which take notifications only from peers they handshaked with and from guests).
     `status` answers peers' questions about transfers (on the listener's thread: it must be
     thread-safe and bounded, e.g. a call onto the engine's loop with a timeout); None: they go
-    unanswered. `.counters` counts requests by outcome (`accepted`, `refused`,
-    `unauthenticated`, `malformed`, `oversized`, `errors`, `status_answered`,
-    `status_refused`; disjoint).
+    unanswered. `on_control`, if given, answers operator requests (`kvfsm.sidechannel._control`:
+    drain, status) with the engine's state; called on the listener's thread, so it must be quick
+    and thread-safe. Without it they are refused. `.counters` counts requests by outcome
+    (`accepted`, `refused`, `unauthenticated`, `malformed`, `oversized`, `errors`,
+    `status_answered`, `status_refused`; disjoint; operator requests as `control`).
     """
 
     def __init__(
@@ -64,9 +73,11 @@ class HandshakeListener:
         secret: SharedSecret | None = None,
         guests: Guests | None = None,
         status: StatusAnswerer | None = None,
+        on_control: Callable[[ControlRequest], str] | None = None,
     ) -> None:
         self._payloads = payloads
         self.status = status
+        self.on_control = on_control
         self._secret = secret
         self.guests = Guests() if guests is None else guests
         self._clock = clock  # the engines' clock: every answer carries it
@@ -137,6 +148,9 @@ class HandshakeListener:
             self.counters[f"status_{outcome}"] += 1
             self._socket.send_multipart([*envelope, reply_frame], zmq.NOBLOCK)
             return
+        if len(body) == 1 and is_control(body[0]):
+            self._socket.send_multipart([*envelope, self._control(body[0])], zmq.NOBLOCK)
+            return
         arrived = self._clock()
         nonce = b""
         try:
@@ -149,6 +163,25 @@ class HandshakeListener:
         # can pass one off as ours); an asker without the secret still reads why it was refused.
         # ROUTER drops (never blocks on) replies to peers that went away or are not reading.
         self._socket.send_multipart([*envelope, encode(reply, self._secret, nonce)], zmq.NOBLOCK)
+
+    def _control(self, frame: bytes) -> bytes:
+        """An operator's request, answered (refused without `on_control` or the secret)."""
+        try:
+            request = decode_control_request(frame, self._secret)
+        except SidechannelError as exc:
+            self.counters[
+                "unauthenticated" if isinstance(exc, Unauthenticated) else "malformed"
+            ] += 1
+            return encode_control(ControlReply("refused", str(exc)[:500]), None)
+        self.counters["control"] += 1
+        if self.on_control is None:
+            reply = ControlReply("refused", "this listener takes no operator requests")
+        else:
+            try:
+                reply = ControlReply(self.on_control(request))
+            except Exception as exc:
+                reply = ControlReply("refused", f"error: {exc!r:.200}")
+        return encode_control(reply, self._secret, request.nonce)
 
     def _reply(self, body: list[bytes], arrived: float) -> tuple[HandshakeReply, str, bytes]:
         """The reply, the outcome counted, and the nonce its tag covers (none for a request that

@@ -11,10 +11,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from kvfsm.core import Mode, PrefillFinished
+from kvfsm.core import Drain, Mode, NotificationReceived, PrefillFinished, Shutdown
 from kvfsm.fabric import SimFaults
 from kvfsm.sim import Cluster
 from kvfsm.testing._states import abandon_in, live_states
+from kvfsm.wire import Goodbye, encode
 
 __all__ = ["INTERLEAVINGS", "Interleaving", "run_tour"]
 
@@ -372,6 +373,86 @@ def cancel_overtakes_registration(mode: Mode) -> Cluster:
     return c
 
 
+def _engine_until(c: Cluster, agent: str, state: str, limit: float = 10.0) -> None:
+    end = c.network.now + limit
+    while c.engines[agent].side.engine.state != state:
+        if c.network.now > end:
+            raise AssertionError(f"{agent} never reached {state}")
+        c.step(1e-3)
+
+
+def _peer_until(c: Cluster, agent: str, peer: str, state: str, limit: float = 10.0) -> None:
+    end = c.network.now + limit
+    while (p := c.engines[agent].side.peers.get(peer)) is None or p.state != state:
+        if c.network.now > end:
+            raise AssertionError(f"{agent}'s peer {peer} never reached {state}")
+        c.step(1e-3)
+
+
+def _goodbye(c: Cluster, sender: str, to: str) -> None:
+    """A goodbye from `sender` reaches `to` (at whatever state `to` holds `sender` in)."""
+    c.engines[to].submit(NotificationReceived(sender, encode(Goodbye(0, 1))))
+    c.collect()
+
+
+def engine_drains_mid_transfer(mode: Mode) -> Cluster:
+    """P drains (asked twice) while a transfer moves: it ends, P is drained and says goodbye
+    (D unloads it), is asked once more, then shut down (a second goodbye)."""
+    c = _mid_transfer(mode)
+    p = c.engines["P#0"]
+    p.submit(Drain())
+    p.submit(Drain())
+    _engine_until(c, "P#0", "drained")
+    p.submit(Drain())
+    p.submit(Shutdown())
+    c.collect()
+    return c
+
+
+def d_drains_before_its_load(mode: Mode) -> Cluster:
+    """D drains with a load admitted: the load finishes, then D says goodbye to P."""
+    c = _cluster(mode)
+    c.admit("r", 2)
+    c.engines["D#0"].submit(Drain())
+    c.finish_prefill("r")
+    _engine_until(c, "D#0", "drained")
+    _peer_until(c, "P#0", "D#0", "evicted")
+    return c
+
+
+def engine_shut_down_while_draining(mode: Mode) -> Cluster:
+    """P is shut down while it drains a transfer in flight (no goodbye to D: it uses P)."""
+    c = _mid_transfer(mode)
+    c.engines["P#0"].submit(Drain())
+    c.engines["P#0"].submit(Shutdown())
+    c.collect()
+    return c
+
+
+def goodbye_to_a_failed_peer(mode: Mode) -> Cluster:
+    """A goodbye reaches D while its handshakes with P fail."""
+    c = _cluster(mode, slow=False)
+    c.directory.fail_next("P#0", times=1000)
+    c.admit("a", 2)
+    _peer_until(c, "D#0", "P#0", "failed")
+    _goodbye(c, "P#0", "D#0")
+    return c
+
+
+def goodbyes_before_a_connection(mode: Mode) -> Cluster:
+    """Goodbyes reach P while it only knows D's contact, then while it connects to D."""
+    c = _cluster(mode, slow=False)
+    c.directory.hang_next("D#0", seconds=0.2)
+    c.admit("b", 2)  # P's prefill is not finished: D's registration leaves it registered
+    _until(c, "P#0", "b", "registered")
+    _peer_until(c, "P#0", "D#0", "unknown")
+    _goodbye(c, "D#0", "P#0")
+    c.finish_prefill("b")  # P connects to D: the handshake hangs a while
+    _peer_until(c, "P#0", "D#0", "handshaking")
+    _goodbye(c, "D#0", "P#0")
+    return c
+
+
 INTERLEAVINGS: tuple[Interleaving, ...] = (
     d_aborts_mid_transfer,
     d_aborts_stuck_transfer,
@@ -401,6 +482,11 @@ INTERLEAVINGS: tuple[Interleaving, ...] = (
     one_of_two_producers_lost,
     d_gives_up_while_p_connects,
     cancel_overtakes_registration,
+    engine_drains_mid_transfer,
+    d_drains_before_its_load,
+    engine_shut_down_while_draining,
+    goodbye_to_a_failed_peer,
+    goodbyes_before_a_connection,
 )
 
 

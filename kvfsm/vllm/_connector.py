@@ -71,7 +71,7 @@ class KvfsmStats(KVConnectorStats):
         return reduce(self.data)
 
     def is_empty(self) -> bool:
-        return not self.data.get("ended")
+        return not self.data.get("ended") and not self.data.get("engines")
 
 
 class KvfsmConnector(KVConnectorBase_V1, SupportsHMA):
@@ -217,8 +217,11 @@ class KvfsmConnector(KVConnectorBase_V1, SupportsHMA):
         return KvfsmMetadata(self._need_sched().take_step())
 
     def update_connector_output(self, connector_output: Any) -> None:
+        stats = getattr(connector_output, "kv_connector_stats", None)
         self._need_sched().reported(
-            connector_output.finished_sending, connector_output.finished_recving
+            connector_output.finished_sending,
+            connector_output.finished_recving,
+            getattr(stats, "data", None),
         )
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:

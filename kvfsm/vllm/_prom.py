@@ -54,8 +54,31 @@ class KvfsmPromMetrics(KVConnectorPromMetrics):
                     "recovered",
                     "Transfers whose completion was lost, found done by asking the peer.",
                 ),
+                ("goodbyes", "Goodbyes heard: a peer engine drained or closed."),
+                (
+                    "peers_removed",
+                    "Peer NIXL agents unloaded (goodbye, loss, idle TTL, re-handshake).",
+                ),
             )
         }
+        gauge = self._gauge_cls
+        self._drained = gauge(
+            name="vllm:kvfsm_drained",
+            documentation="1 once every rank of the engine drained (nothing live, peers told"
+            " goodbye: safe to stop); 0 while serving or draining.",
+            labelnames=labelnames,
+            multiprocess_mode="mostrecent",
+        )
+        self._draining = gauge(
+            name="vllm:kvfsm_draining",
+            documentation="1 while the engine drains or is drained (it takes no new KV"
+            " hand-offs); 0 while serving.",
+            labelnames=labelnames,
+            multiprocess_mode="mostrecent",
+        )
+        for labels in per_engine_labelvalues.values():
+            self._drained.labels(*labels).set(0)
+            self._draining.labels(*labels).set(0)
         self._seconds = counter(
             name="vllm:kvfsm_seconds_in_state",
             documentation="Seconds kvfsm requests spent in each lifecycle state.",
@@ -72,3 +95,6 @@ class KvfsmPromMetrics(KVConnectorPromMetrics):
                 metric.labels(*labels).inc(value)
         for state, seconds in data.get("seconds", {}).items():
             self._seconds.labels(*labels, state).inc(seconds)
+        if engines := data.get("engines"):
+            self._draining.labels(*labels).set(1)
+            self._drained.labels(*labels).set(int(set(engines) == {"drained"}))

@@ -13,18 +13,21 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from kvfsm.core import Abort, Admit, Event, PrefillFinished
-from kvfsm.sidechannel import HandshakeListener, HandshakePayload
+from kvfsm.core import Abort, Admit, Drain, Event, PrefillFinished
+from kvfsm.sidechannel import ControlRequest, HandshakeListener, HandshakePayload
 from kvfsm.vllm._groups import KvGroups, joined
 from kvfsm.vllm._params import ParamsError, RemotePrefill, producer_params, remote_prefill
 from kvfsm.vllm._settings import KvfsmSettings
 from kvfsm.wire import BlockIds
 
-__all__ = ["ConnectorStep", "SchedulerSide"]
+__all__ = ["REFUSED_DRAINING", "ConnectorStep", "SchedulerSide"]
 
 _log = logging.getLogger("vllm.kvfsm")  # under vLLM's logging configuration
 
 _SENT = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")  # P finished its prefill normally
+REFUSED_DRAINING = {"kvfsm_refused": "draining"}
+"""P's `kv_transfer_params` for a prefill it will not hand over (it drains): the proxy sends
+the request to another P (docs/vllm.md, "Draining an engine")."""
 
 
 class ConnectorStep:
@@ -67,6 +70,14 @@ class SchedulerSide:
         self._refused: list[tuple[str, BlockIds]] = []
         self._admitted: set[str] = set()  # P: admitted, prefill not yet finished
         self._awaited: set[str] = set()  # P: finished_sending; D: finished_recving pending
+        self._promised: set[str] = set()  # D: remote tokens claimed, blocks not yet allocated
+        # The drain: asked (from the listener's thread), passed on to the workers, and every
+        # rank's core drained (from their stats); `_idle_drained`: asked while nothing was
+        # live and no step came to pass it on.
+        self.draining = False
+        self._drain_sent = False
+        self._drained_ranks = False
+        self._idle_drained = False
 
     # --- both ----------------------------------------------------------------------------------
 
@@ -78,7 +89,11 @@ class SchedulerSide:
         host = self.settings.side_channel_host
         try:
             self.listener = HandshakeListener(
-                by_agent.get, host, self.port, secret=self.settings.secret()
+                by_agent.get,
+                host,
+                self.port,
+                secret=self.settings.secret(),
+                on_control=self.control,
             )
         except Exception as exc:
             raise RuntimeError(
@@ -87,21 +102,51 @@ class SchedulerSide:
             ) from exc
         _log.info("kvfsm %s answers handshakes at %s", self.engine_id, self.listener.where)
 
+    def control(self, request: ControlRequest) -> str:
+        """An operator's request (on the listener's thread): drain, or status; the state."""
+        if request.op == "drain" and not self.draining:
+            _log.info("kvfsm %s drains: no new remote prefill or load is taken", self.engine_id)
+            self.draining = True
+        return self.drain_state
+
+    @property
+    def drain_state(self) -> str:
+        """serving, draining, or drained (every rank drained: nothing live, peers told; or
+        nothing was live when asked, and the goodbyes go at shutdown)."""
+        if not self.draining:
+            return "serving"
+        if self._drained_ranks or self._idle_drained:
+            return "drained"
+        if not (self._drain_sent or self._awaited or self._admitted or self._promised):
+            self._idle_drained = True
+            return "drained"
+        return "draining"
+
     def take_step(self) -> ConnectorStep:
-        """The events gathered since the last step."""
+        """The events gathered since the last step (and the drain, once asked)."""
+        if self.draining and not self._drain_sent:
+            self._drain_sent = True
+            self._events.append((Drain(), False))
         events, self._events = self._events, []
         refused, self._refused = self._refused, []
         return ConnectorStep(events, refused)
 
-    def reported(self, sending: set[str] | None, recving: set[str] | None) -> None:
-        """The workers reported these requests; the scheduler frees or resumes them."""
+    def reported(
+        self, sending: set[str] | None, recving: set[str] | None, stats: Any = None
+    ) -> None:
+        """The workers reported these requests; the scheduler frees or resumes them. `stats`:
+        their stats data, whose `engines` say how many ranks are drained."""
         self._awaited.difference_update(sending or ())
         self._awaited.difference_update(recving or ())
+        engines = (stats or {}).get("engines", {})
+        if self._drain_sent and engines.get("drained", 0) >= self.tp_size:
+            self._drained_ranks = True
 
     @property
     def pending(self) -> bool:
-        """Requests still wait on a worker report: vLLM must keep stepping."""
-        return bool(self._awaited)
+        """Requests still wait on a worker report, or the drain on the ranks: vLLM must keep
+        stepping (an idle engine core steps only while this holds)."""
+        return bool(self._awaited) or (self._drain_sent and not self._drained_ranks)
 
     def close(self) -> None:
         """Stop answering handshakes."""
@@ -117,6 +162,10 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if self.is_producer or not params or not params.get("do_remote_prefill"):
             return 0, False
+        if self.draining:  # vLLM computes the prompt; P's lease (or its own drain) frees P
+            self.counters["computed_draining"] += 1
+            params["do_remote_prefill"] = False
+            return 0, False
         try:
             remote_prefill(params, self.settings.mode)
         except ParamsError as exc:
@@ -131,7 +180,10 @@ class SchedulerSide:
             return 0, False
         prompt = len(request.prompt_token_ids or ())
         count = prompt - min(self.groups.prompt_backoff, prompt - 1) - num_computed_tokens
-        return (count, True) if count > 0 else (0, False)
+        if count <= 0:
+            return 0, False
+        self._promised.add(request.request_id)
+        return count, True
 
     def new_request(self, request: Any) -> None:
         """P, with a Mamba group: prefill all but the prompt's last token (vLLM's convention,
@@ -158,11 +210,14 @@ class SchedulerSide:
             return
         rid = request.request_id
         if self.is_producer:
+            if self.draining:
+                return  # not admitted: `finished` answers with REFUSED_DRAINING
             if params.get("do_remote_decode") and rid not in self._admitted:
                 self._admitted.add(rid)
                 admit = Admit(rid, self.groups.blocks(blocks.get_block_ids()))
                 self._events.append((admit, False))
         elif params.get("do_remote_prefill"):
+            self._promised.discard(rid)
             params["do_remote_prefill"] = False  # one load per request, as vLLM's connectors
             ids = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else []
             tokens = request.num_computed_tokens + num_external_tokens  # once loaded
@@ -177,6 +232,11 @@ class SchedulerSide:
             return
         groups = self.groups.cut(tuple(block_ids), tokens)
         ids = joined(groups)
+        if self.draining:  # the core admits nothing: a load already promised fails (recompute)
+            if ids.size:
+                self._awaited.add(rid)
+                self._refused.append((rid, ids))
+            return
         awaited = bool(ids.size)
         if awaited:
             self._awaited.add(rid)
@@ -211,6 +271,7 @@ class SchedulerSide:
             return False, None
         if not self.is_producer:
             if params.get("do_remote_prefill"):  # never scheduled: release P's blocks now
+                self._promised.discard(rid)
                 params["do_remote_prefill"] = False
                 self._admit_load(rid, params, [])
             elif rid in self._awaited:  # still loading: abort; vLLM frees on finished_recving
@@ -219,13 +280,15 @@ class SchedulerSide:
                 self._events.append((Abort(rid), False))
             return False, None
         if rid not in self._admitted:
-            return False, None
+            refused = self.draining and params.get("do_remote_decode")
+            return False, (dict(REFUSED_DRAINING) if refused else None)
         self._admitted.discard(rid)
         groups = self.groups.cut(block_ids, request.num_computed_tokens)
         moved = joined(groups)
-        if request.status.name not in _SENT or not moved.size:
+        if request.status.name not in _SENT or not moved.size or self.draining:
+            # Draining: nothing is handed over any more; the proxy sends it to another P.
             self._events.append((Abort(rid), False))
-            return False, None
+            return False, (dict(REFUSED_DRAINING) if self.draining else None)
         self._awaited.add(rid)
         self._events.append((PrefillFinished(rid, moved), True))
         s = self.settings

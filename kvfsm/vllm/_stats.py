@@ -20,7 +20,12 @@ _COUNTS = (
     "corrupted",
     "verified",
     "recovered",
+    "goodbyes",
+    "peers_removed",
 )
+
+
+_KEYS = ("ended", "counts", "seconds", "visits", "engines")
 
 
 class StatsWindow:
@@ -31,11 +36,12 @@ class StatsWindow:
         self.counts: Counter[str] = Counter()
         self.seconds: Counter[str] = Counter()  # state -> seconds, over requests
         self.visits: Counter[str] = Counter()  # state -> requests that spent time in it
+        self.engines: Counter[str] = Counter()  # engine state (not serving) -> ranks in it
 
     @property
     def empty(self) -> bool:
         """Nothing ended and nothing went wrong in this window."""
-        return not self.ended and not +self.counts
+        return not self.ended and not +self.counts and not self.engines
 
     def add(self, trace: RequestTrace) -> None:
         """Count one finished request."""
@@ -57,15 +63,13 @@ class StatsWindow:
             "counts": dict(self.counts),
             "seconds": dict(self.seconds),
             "visits": dict(self.visits),
+            "engines": dict(self.engines),
         }
 
 
 def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     """Two windows' data as one (several ranks, or several steps)."""
-    return {
-        key: dict(Counter(a.get(key, {})) + Counter(b.get(key, {})))
-        for key in ("ended", "counts", "seconds", "visits")
-    }
+    return {key: dict(Counter(a.get(key, {})) + Counter(b.get(key, {}))) for key in _KEYS}
 
 
 def reduce(data: dict[str, Any]) -> dict[str, int | float]:
@@ -80,6 +84,8 @@ def reduce(data: dict[str, Any]) -> dict[str, int | float]:
     }
     out |= {name: counts.get(name, 0) for name in _COUNTS}
     out["MB"] = round(counts.get("bytes", 0) / 1e6, 3)
+    if engines := data.get("engines"):
+        out["drained"] = int(set(engines) == {"drained"})
     for state, seconds in sorted(data.get("seconds", {}).items()):
         visits = data.get("visits", {}).get(state, 0) or 1
         out[f"avg_ms_{state}"] = round(1e3 * seconds / visits, 3)

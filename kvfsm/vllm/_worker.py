@@ -64,7 +64,12 @@ __all__ = ["WorkerSide"]
 _log = logging.getLogger("vllm.kvfsm")  # under vLLM's logging configuration
 # The engine's counters of notifications it dropped unheard (docs/security.md).
 _REFUSALS = ("replayed", "unauthenticated", "stranger")
-_SIDE_COUNTS = ("corrupted", "verified", "recovered")  # the core's counters vLLM's metrics carry
+_SIDE_COUNTS = (
+    "corrupted",
+    "verified",
+    "recovered",
+    "goodbyes",
+)  # the core's counters vLLM's metrics carry
 
 
 class WorkerSide:
@@ -256,14 +261,19 @@ class WorkerSide:
     def stats(self) -> dict[str, Any] | None:
         """Stats since the last call, or None if nothing happened."""
         totals: Counter[str] = Counter()
+        state = "serving"
         if self.engine is not None:  # read across threads: single dict lookups, no iteration
             engine, side = self.engine.counters, self.engine.side.counters
             totals["refused_notifications"] = sum(engine[name] for name in _REFUSALS)
             totals.update({name: side[name] for name in _SIDE_COUNTS})
+            totals["peers_removed"] = engine["peers_removed"]
+            state = self.engine.side.engine.state
         with self._lock:
             window, self._stats = self._stats, StatsWindow()
             window.counts.update(totals - self._reported)
             self._reported = totals
+        if state != "serving":  # every step while it drains: the scheduler waits for it
+            window.engines[state] += 1
         return None if window.empty else window.data()
 
     # --- from the loop thread --------------------------------------------------------------------
@@ -297,7 +307,10 @@ class WorkerSide:
         exc = future.exception()
         if exc is None:
             return
-        rid = event.request_id  # type: ignore[union-attr]
+        rid = getattr(event, "request_id", None)
+        if rid is None:  # a drain the engine had no use for (closed): nothing waits on it
+            self.counters["refused_events"] += 1
+            return
         engine = self.engine
         with self._lock:
             self.counters["refused_events"] += 1

@@ -21,6 +21,7 @@ __all__ = [
     "CancelAck",
     "Completion",
     "Failure",
+    "Goodbye",
     "Grant",
     "Heartbeat",
     "Message",
@@ -39,9 +40,9 @@ MAX_MESSAGE_BYTES = 1 << 20
 
 WIRE_VERSION = 3
 """The version of these messages (2: registrations and grants name the sender's incarnation;
-3: completions and grants may carry a checksum of the bytes). It enters every handshake's
-compatibility hash and payload, so engines speaking different versions refuse each other before
-any transfer."""
+3: completions and grants may carry a checksum of the bytes; engines say goodbye). It enters
+every handshake's compatibility hash and payload, so engines speaking different versions
+refuse each other before any transfer."""
 
 BlockIds = npt.NDArray[np.int32]
 
@@ -129,7 +130,27 @@ class Heartbeat(msgspec.Struct, frozen=True, tag_field="k", tag="hb", forbid_unk
     rank: int
 
 
-Message = Registration | Grant | Progress | Completion | Failure | Cancel | CancelAck | Heartbeat
+class Goodbye(msgspec.Struct, frozen=True, tag_field="k", tag="bye", forbid_unknown_fields=True):
+    """Either way: the sender is drained or closing; unload its agent now (its memory stays
+    mapped otherwise until an idle sweep). `incarnation` is the sending process's (0: unknown):
+    a late goodbye from a previous process must not drop a connection to its successor."""
+
+    rank: int
+    tp_size: int
+    incarnation: int = 0
+
+
+Message = (
+    Registration
+    | Grant
+    | Progress
+    | Completion
+    | Failure
+    | Cancel
+    | CancelAck
+    | Heartbeat
+    | Goodbye
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -59,18 +59,19 @@ def test_a_proxy_needs_both_sides() -> None:
 class _Engine:
     """A stand-in engine answering completions with what it was sent (and P's params)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, params: dict[str, Any] | None = None) -> None:
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         seen: list[dict[str, Any]] = []
         self.seen = seen
+        params = params or {"from": name}
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 seen.append(body)
                 answer = json.dumps(
-                    {"engine": name, "kv_transfer_params": {"from": name}, "sent": body}
+                    {"engine": name, "kv_transfer_params": params, "sent": body}
                 ).encode()
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(answer)))
@@ -119,4 +120,27 @@ def test_an_answer_says_how_long_prefill_and_decode_took() -> None:
     finally:
         served.close()
         p.close()
+        d.close()
+
+
+def test_a_draining_p_is_passed_over_and_if_all_drain_d_computes() -> None:
+    draining = _Engine("p0", {"kvfsm_refused": "draining"})
+    live_p, d = _Engine("p1"), _Engine("d")
+    served = Proxy(0, [draining.address, live_p.address], [d.address]).start()
+    try:
+        for _ in range(4):
+            status, body = _post(served, "/v1/completions", b'{"prompt": [1, 2], "max_tokens": 3}')
+            assert status == 200 and body["engine"] == "d"
+            assert cast(dict[str, Any], body["sent"])["kv_transfer_params"] == {"from": "p1"}
+        assert len(draining.seen) == 1 and served.refused_draining == 1  # then passed over
+    finally:
+        served.close()
+        live_p.close()
+    alone = Proxy(0, [draining.address], [d.address]).start()
+    try:
+        status, body = _post(alone, "/v1/completions", b'{"prompt": [1, 2], "max_tokens": 3}')
+        assert status == 200 and cast(dict[str, Any], body["sent"])["kv_transfer_params"] is None
+    finally:
+        alone.close()
+        draining.close()
         d.close()

@@ -277,6 +277,13 @@ def test_prometheus_metrics_count_what_the_stats_carry(model_dir: Path) -> None:
     assert value("vllm:kvfsm_requests_total", {"engine": "0", "state": "failed"}) == 2
     assert value("vllm:kvfsm_bytes_total", {"engine": "0"}) == 8192
     assert value("vllm:kvfsm_seconds_in_state_total", {"engine": "0", "state": "reading"}) == 1.0
+    gauges = ("vllm:kvfsm_draining", "vllm:kvfsm_drained")
+    assert [value(g, {"engine": "0"}) for g in gauges] == [0, 0]  # serving
+    prom.observe({"engines": {"draining": 1}}, engine_idx=0)
+    assert [value(g, {"engine": "0"}) for g in gauges] == [1, 0]
+    prom.observe({"engines": {"drained": 1}, "counts": {"goodbyes": 1}}, engine_idx=0)
+    assert [value(g, {"engine": "0"}) for g in gauges] == [1, 1]
+    assert value("vllm:kvfsm_goodbyes_total", {"engine": "0"}) == 1
 
 
 @pytest.mark.parametrize("mode", MODES)

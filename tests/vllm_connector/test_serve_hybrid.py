@@ -40,6 +40,6 @@ def test_d_serves_p_tokens(served: Deployment) -> None:
     assert_d_serves_p_tokens(served, PROMPTS, backoff=1)
 
 
-@pytest.mark.slow  # make test-slow: the sliding-window model's control runs in make test
+@pytest.mark.slow  # make test-slow, as the other models' skipping-D controls
 def test_a_d_that_moves_nothing_is_caught(model: Path, tmp_path: Path) -> None:
     assert_a_skipping_d_is_caught(model, tmp_path, PROMPTS, FLAGS)

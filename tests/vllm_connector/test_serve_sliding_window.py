@@ -54,5 +54,6 @@ def test_64_concurrent_prompts_of_every_length_all_move_their_kv(served: Deploym
         d.metric("vllm:kvfsm_corrupted_total")
 
 
+@pytest.mark.slow  # make test-slow: make test's negative control is test_serve_verify.py's
 def test_a_d_that_moves_nothing_is_caught(model: Path, tmp_path: Path) -> None:
     assert_a_skipping_d_is_caught(model, tmp_path, PROMPTS)

@@ -4,7 +4,7 @@
 core sees a block count only as "none or some"), at most `max_faults` faults and `max_depth`
 actions per path. At every state each enabled action is tried: admit the next request, P or D
 first (r2 after r1: they are interchangeable); finish a prefill; abort on P or on D (once per side,
-while it holds the request); advance the clock to the next due thing (a notification or transfer
+while it holds the request); drain P (once; no request is admitted after it); advance the clock to the next due thing (a notification or transfer
 completion, a deadline, heartbeat or sweep, a handshake: time is discrete, engines poll the
 instant something is due); or a fault: drop, duplicate or delay (`DELAY_S`) a notification in
 flight, make a transfer in flight end ERR or hang, fail the poster's next post, fail a handshake
@@ -40,7 +40,7 @@ from kvfsm.cli.check._state import (
     pending_events,
     questions,
 )
-from kvfsm.core import Mode, Step
+from kvfsm.core import Drain, Mode, Step
 from kvfsm.fabric import SimFaults
 from kvfsm.sim import FAST_CONFIG, Cluster
 
@@ -125,6 +125,11 @@ class _Run:
             c.abort(action[1], action[2])
             label = f"abort {action[1]} on {action[2]}"
             self.spent.add(action)
+        elif kind == "drain":
+            c.engines[action[1]].submit(Drain())
+            c.collect()
+            label = f"drain {action[1]}"
+            self.spent.add(action)
         elif kind == "advance":
             label = _advance(c, self.labelled)
         else:
@@ -136,13 +141,18 @@ class _Run:
         """Every action worth trying here (none: the path is over)."""
         c = self.cluster
         pending = [f"r{i + 1}" for i in range(requests) if f"r{i + 1}" not in c.requests]
-        acts: list[Action] = [("admit", pending[0], s) for s in ("P", "D")] if pending else []
+        draining = ("drain", "P#0") in self.spent  # P admits nothing more (as the connector)
+        acts: list[Action] = []
+        if pending and not draining:
+            acts += [("admit", pending[0], s) for s in ("P", "D")]
         for key, pr in sorted(c.requests.items()):
             if not pr.finished_prefill and _holds(c, "P#0", pr.p_id):
                 acts.append(("prefill", key))
             for side, agent, rid in (("P", "P#0", pr.p_id), ("D", "D#0", pr.d_id)):
                 if ("abort", key, side) not in self.spent and _holds(c, agent, rid):
                     acts.append(("abort", key, side))
+        if not draining and "P#0" not in c.dead:
+            acts.append(("drain", "P#0"))
         if c.next_due() is not None:
             acts.append(("advance",))
         if self.faults < max_faults and (pending or not c.quiet()):

@@ -165,6 +165,7 @@ def _engine_print(c: Cluster, agent: str, n: Namer, snap: SideSnapshot | None) -
     return repr(
         (
             agent,
+            snap.engine,
             sorted(_request_print(r, n) for r in side.requests.values()),
             deadlines,
             peers,

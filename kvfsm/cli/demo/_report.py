@@ -11,7 +11,8 @@ from kvfsm.runtime import time_in_state as request_time_in_state
 __all__ = ["DemoReport", "time_in_state", "why_not_done", "worst_state"]
 
 # Counters of volume, not of trouble: left out of the reasons a run did not end `done`.
-_VOLUME = frozenset({"bytes", "descriptors", "posted"})
+_VOLUME = frozenset({"bytes", "descriptors", "posted", "peers_removed", "goodbyes", "verified"})
+"""Counters of normal work, left out of `why_not_done`."""
 
 
 class DemoReport(msgspec.Struct, kw_only=True):
