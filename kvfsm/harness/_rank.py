@@ -186,6 +186,17 @@ def open_rank(
     return Rank(engine, fabric, directory, listener, addresses)
 
 
+def _corrupt(kv: Any, block: int, loop: Any, targets: set[int] | None) -> None:
+    """Flip the first byte of `block` in the first region: now, or (with `targets`, the set a
+    `corrupt_bytes_after_checksum` engine checksum reads: `verify` is on) right after P takes
+    the checksum of the transfer that moves it, so D's check must catch it."""
+    if targets is None:
+        kv.regions()[0].reshape(kv.geometry.num_blocks, kv.geometry.block_len)[block, 0] ^= 0xFF
+        return
+    address = int(kv.layout.descriptors()[block, 0])
+    loop.call(lambda _engine: targets.add(address)).result(5)  # the checksum's thread
+
+
 def close_rank(rank: Rank, loop: RankLoop) -> dict[str, int]:
     """Stop the loop (it closes the engine), then the listener, the directory and the agent;
     returns what the agent still held once the engine had closed (nothing, unless a leak)."""
@@ -198,7 +209,12 @@ def close_rank(rank: Rank, loop: RankLoop) -> dict[str, int]:
 
 
 def _serve(spec: RankSpec, conn: Connection, send: _Sender, make_loop: LoopFactory | None) -> None:
-    from kvfsm.runtime import EngineLoop, KvCache, status_answerer
+    from kvfsm.runtime import (
+        EngineLoop,
+        KvCache,
+        corrupt_bytes_after_checksum,
+        status_answerer,
+    )
     from kvfsm.sim import request_seed, write_request
 
     is_p = spec.side == "P"
@@ -227,6 +243,11 @@ def _serve(spec: RankSpec, conn: Connection, send: _Sender, make_loop: LoopFacto
     loop = (make_loop or EngineLoop)(engine, reporter.put)
     directory.on_result = loop.wake
     listener.status = status_answerer(loop)  # peers ask about transfers whose completion was lost
+    # The demo's negative control with `verify` on: bytes flipped after P's checksum.
+    targets: set[int] | None = None
+    if is_p and spec.config.verify != "off":
+        targets = set()
+        engine.checksum = corrupt_bytes_after_checksum(targets)
     loop.start()
     send(("ready", listener.port))
     try:
@@ -237,7 +258,7 @@ def _serve(spec: RankSpec, conn: Connection, send: _Sender, make_loop: LoopFacto
                 _, key, rid, blocks, corrupt = msg
                 write_request(kv, request_seed(key), blocks, unit_tokens=spec.unit_tokens)
                 if corrupt:  # the negative control: one wrong byte D must notice
-                    kv.regions()[0].reshape(g.num_blocks, g.block_len)[blocks[0], 0] ^= 0xFF
+                    _corrupt(kv, int(blocks[0]), loop, targets)
                 _watch(loop.submit(Admit(rid, blocks)), send)
                 # Through the reporter, so the driver hears it before P's "finished" (which
                 # the reporter sends too): sent from here, it raced that and lost on loopback.

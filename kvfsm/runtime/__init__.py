@@ -5,7 +5,12 @@ from kvfsm.runtime._conformance import Conformance
 from kvfsm.runtime._engine import CallerOutput, Engine, InFlight
 from kvfsm.runtime._guests import MAX_GUESTS, Guests
 from kvfsm.runtime._handshake import Directory, HandshakeError, PeerInfo, StatusQuery
-from kvfsm.runtime._integrity import Checksum, corrupt_after_checksum, kv_checksum
+from kvfsm.runtime._integrity import (
+    Checksum,
+    corrupt_after_checksum,
+    corrupt_bytes_after_checksum,
+    kv_checksum,
+)
 from kvfsm.runtime._kv import KvCache
 from kvfsm.runtime._loop import EngineLoop, LoopCalls, status_answerer
 from kvfsm.runtime._routes import Route, plan_route
@@ -30,6 +35,7 @@ __all__ = [
     "StatusQuery",
     "TransferStats",
     "corrupt_after_checksum",
+    "corrupt_bytes_after_checksum",
     "kv_checksum",
     "plan_route",
     "status_answerer",

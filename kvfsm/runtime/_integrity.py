@@ -24,7 +24,7 @@ import numpy as np
 from kvfsm.layout import Int64Array
 from kvfsm.runtime._kv import KvCache
 
-__all__ = ["Checksum", "corrupt_after_checksum", "kv_checksum"]
+__all__ = ["Checksum", "corrupt_after_checksum", "corrupt_bytes_after_checksum", "kv_checksum"]
 
 _MASK = (1 << 64) - 1
 _CHUNK_WORDS = 1 << 17  # 1 MiB of words per step: bounded temporaries, cached weights
@@ -90,6 +90,28 @@ def corrupt_after_checksum(times: int = 1) -> Callable[[KvCache, Int64Array], in
         return value
 
     return checksum
+
+
+def corrupt_bytes_after_checksum(
+    targets: set[int],
+) -> Callable[[KvCache, Int64Array], int]:
+    """A negative control's checksum (never for serving): the true one, after which each byte
+    address of `targets` those rows cover is flipped (and forgotten): a chosen request's KV
+    goes out wrong after P summed it. Add to `targets` on the engine's thread."""
+
+    def checksum(kv: KvCache, rows: Int64Array) -> int:
+        value = kv_checksum(kv, rows)
+        for address in [a for a in targets if _covers(rows, a)]:
+            targets.discard(address)
+            byte = _view(kv, address, 1)
+            byte[0] ^= 0xFF
+        return value
+
+    return checksum
+
+
+def _covers(rows: Int64Array, address: int) -> bool:
+    return bool(np.any((rows[:, 0] <= address) & (address < rows[:, 0] + rows[:, 1])))
 
 
 def _segments(kv: KvCache, rows: Int64Array) -> Iterator[Any]:

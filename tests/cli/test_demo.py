@@ -167,6 +167,27 @@ def test_cli_exits_1_when_bytes_differ() -> None:
     assert report["why_not_done"] == ["not every byte was verified equal", "1 safety violation(s)"]
 
 
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_with_verify_a_byte_flipped_after_the_checksum_fails_its_request(mode: str) -> None:
+    """`--verify all --corrupt 2`: the bytes go out wrong after P's checksum, D's check fails
+    those two requests (blocks invalid, `corrupted` 2) and every byte D reported received is
+    right."""
+    exe = Path(sys.executable).parent / "kvfsm"
+    args = ["demo", "--mode", mode, "--requests", "6", "--model", "tiny", "--memory-mib", "8"]
+    result = subprocess.run(
+        [str(exe), *args, "--verify", "all", "--corrupt", "2", "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    assert result.returncode == 1, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert report["done"] == 4 and report["failed"] == 2 and report["verified"] is True
+    assert report["counters"]["corrupted"] == 2 and report["counters"]["verified"] == 4
+    assert report["violations"] == []
+
+
 def test_cli_refuses_a_tp_size_that_does_not_split_the_heads() -> None:
     exe = Path(sys.executable).parent / "kvfsm"
     result = subprocess.run(

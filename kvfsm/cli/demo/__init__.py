@@ -69,6 +69,14 @@ def add_command(commands: Commands) -> None:
         help="negative control (real fabric): flip one byte of P's KV in N requests; the run "
         "must then report the mismatch and exit 1",
     )
+    demo.add_argument(
+        "--verify",
+        choices=["off", "sample", "all"],
+        default="off",
+        help="check KV end to end as production would: D checks P's checksum of every"
+        " transfer (all) or one in 8 (sample); with --corrupt the byte is flipped after P's"
+        " checksum, and D must fail those requests",
+    )
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     demo.set_defaults(run=_execute)
 
@@ -123,6 +131,7 @@ def _execute(args: argparse.Namespace) -> int:
                     memory_mib=args.memory_mib,
                     progress=advance,
                     corrupt=args.corrupt,
+                    verify=args.verify,
                 )
             else:
                 report = run_sim_demo(
@@ -134,6 +143,7 @@ def _execute(args: argparse.Namespace) -> int:
                     p_block_size=p_bs,
                     d_block_size=d_bs,
                     progress=advance,
+                    verify=args.verify,
                 )
     except ValueError as exc:  # a geometry the engines cannot run (TP not splitting heads, ...)
         print(f"kvfsm demo: {exc}", file=sys.stderr)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from kvfsm.cli.demo._report import DemoReport, time_in_state, worst_state
-from kvfsm.core import Mode
+from kvfsm.core import CoreConfig, Mode, Verify
 from kvfsm.harness import RankProcesses, RankSpec, require_memory
 from kvfsm.layout import DTYPES, MAX_BLOCKS, MIN_BLOCKS, model_geometry
 from kvfsm.sidechannel import compat_hash
@@ -78,11 +78,14 @@ def run_nixl_demo(
     max_blocks: int = 8,
     progress: Callable[[int], None] | None = None,
     corrupt: int = 0,
+    verify: Verify = "off",
 ) -> DemoReport:
     """Run `requests` requests of random length (up to `max_blocks` of the larger block size)
     through P (`p_tp` rank processes) and D (`d_tp`), each rank's KV cache holding `model`'s
     share within `memory_mib`. `corrupt`: flip one byte of P rank 0's KV in that many requests
-    after the prefill (a negative control: the run must then fail its byte check)."""
+    after the prefill (a negative control: the run must then fail its byte check); with
+    `verify` on (`CoreConfig.verify`), after P's checksum, so that D's check fails those
+    requests."""
     cpu0 = time.process_time()
     geometry = {
         "P": model_geometry(model, tp_size=p_tp, block_size=p_block_size, memory_mib=memory_mib),
@@ -126,6 +129,7 @@ def run_nixl_demo(
                     peer_tp,
                     p_block_size,
                     hash_,
+                    config=CoreConfig(verify=verify),
                     secret=secret,
                 )
             )

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import msgspec
 
 from kvfsm.cli.demo._report import DemoReport, time_in_state, worst_state
-from kvfsm.core import CoreConfig, Mode
+from kvfsm.core import CoreConfig, Mode, Verify
 from kvfsm.sim import SMALL_GEOMETRY, Cluster
 from kvfsm.wire import SharedSecret
 
@@ -31,14 +31,16 @@ def run_sim_demo(
     d_block_size: int | None = None,
     max_blocks: int = 32,
     progress: Callable[[int], None] | None = None,
+    verify: Verify = "off",
 ) -> DemoReport:
     """Drive `requests` requests of random length through P and D on the simulated fabric (with
-    `SMALL_GEOMETRY`'s model; D's blocks hold `d_block_size` tokens, a multiple of P's)."""
+    `SMALL_GEOMETRY`'s model; D's blocks hold `d_block_size` tokens, a multiple of P's);
+    `verify` as `CoreConfig.verify`."""
     cpu0 = time.process_time()
     cluster = Cluster(
         mode,
         seed=seed,
-        config=CoreConfig(),
+        config=CoreConfig(verify=verify),
         num_blocks=max_blocks * 16,
         geometry=msgspec.structs.replace(SMALL_GEOMETRY, block_size=p_block_size),
         d_block_size=d_block_size,
