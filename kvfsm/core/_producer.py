@@ -113,7 +113,7 @@ class Producer(Side):
         req.blocks = caller_blocks(req.id, event.blocks)
         self._req.fire(req, "prefill_finished", self._now)
         if self.draining and req.state in _LEASED:
-            self._req.fire(req, "lease_expired", self._now)
+            self._req.fire(req, "intake_stopped", self._now)
 
     def snapshot(self) -> SideSnapshot:
         """The side's bookkeeping, with P's registrations: unmatched, matched, and ended bases."""
@@ -443,7 +443,7 @@ class Producer(Side):
         # `lease_s`.
         for req in list(self.requests.values()):
             if req.state in _LEASED:
-                self._runq.post(self._req, req, "lease_expired")
+                self._runq.post(self._req, req, "intake_stopped")
 
     def _req_guard_consumer_released(self, req: Request) -> bool:
         return req.consumer_released

@@ -17,7 +17,6 @@ from kvfsm.core._dispatch import Dispatcher, Recorder, RunQueue, StepFailed
 from kvfsm.core._io import (
     Abort,
     Admit,
-    AskPeer,
     CancelTransfer,
     Command,
     CommandFailed,
@@ -37,9 +36,9 @@ from kvfsm.core._io import (
     StartHandshake,
     Tick,
     TransferResult,
-    TransferStatus,
 )
 from kvfsm.core._quarantine import Quarantine
+from kvfsm.core._questions import PeerQuestions
 from kvfsm.core._records import EngineRecord, Peer, Request, TransferTally, caller_blocks
 from kvfsm.core._tombstones import Tombstones
 from kvfsm.lifecycle import LocalProtocolError, ProtocolError, RemoteProtocolError, load
@@ -85,7 +84,7 @@ class SideSnapshot(NamedTuple):
     engine: str = "serving"
 
 
-class Side:
+class Side(PeerQuestions):
     """The shared machinery of `Producer` and `Consumer`."""
 
     side: ClassVar[str]
@@ -521,50 +520,6 @@ class Side:
     def _may_still_land(self, req: Request) -> bool:
         """Whether a transfer given up on may still write the request's blocks (D overrides)."""
         return False
-
-    # --- asking a peer what became of a transfer (docs/lifecycles.md, "Lost completions") ------
-
-    def transfer_status(
-        self, asker: str, asker_request_id: str, request_id: str = ""
-    ) -> TransferStatus:
-        """What this side can say of its transfer with `asker` for the request `asker` calls
-        `asker_request_id` (ours: `request_id`, if it knows it). A read: it changes nothing,
-        and says "done" only of a transfer that completed."""
-        raise NotImplementedError
-
-    def _on_peer_answered(self, event: PeerAnswered) -> None:
-        self.counters[f"status_{event.status}"] += 1
-        req = self.requests.get(event.request_id)
-        if req is None or event.peer not in req.links or event.peer in req.tally.reported:
-            self.counters["status_late"] += 1  # the completion or a bound came first
-            return
-        self._take_answer(req, event.peer, event.status)
-
-    def _take_answer(self, req: Request, peer: str, status: TransferStatus) -> None:
-        raise NotImplementedError
-
-    def _asks_about(self, link: Any) -> bool:
-        """Whether the peer of `link` has something of ours under way to answer for."""
-        raise NotImplementedError
-
-    def _ask_bound_s(self) -> float:
-        raise NotImplementedError
-
-    def _req_cmd_arm_ask(self, req: Request) -> None:
-        # Before the bound now armed (the watchdog may date from the admission), never earlier
-        # than now.
-        bound = self._ask_bound_s()
-        margin = self.config.ask_margin(bound)
-        if margin is not None:
-            deadline = self.deadlines.at(req.id)
-            at = (self._now + bound if deadline is None else deadline) - margin
-            self.queries.arm(req.id, max(at, self._now), "completion_overdue")
-
-    def _req_cmd_ask_peer(self, req: Request) -> None:
-        for link in req.links.values():
-            if link.agent not in req.tally.reported and self._asks_about(link):
-                self.counters["status_asked"] += 1
-                self._emit(AskPeer(link.agent, req.id, link.request_id))
 
     # --- the peer lifecycle ---------------------------------------------------------------------
 

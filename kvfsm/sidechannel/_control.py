@@ -15,8 +15,9 @@ from typing import Annotated, Literal
 import msgspec
 import zmq
 
-from kvfsm.sidechannel._payload import MAX_HANDSHAKE_BYTES, SidechannelError, Unauthenticated
-from kvfsm.wire import TAG_BYTES, AuthError, SharedSecret
+from kvfsm.sidechannel._frames import Framing
+from kvfsm.sidechannel._payload import MAX_HANDSHAKE_BYTES, SidechannelError
+from kvfsm.wire import SharedSecret
 
 __all__ = [
     "ControlReply",
@@ -28,10 +29,7 @@ __all__ = [
     "request_control",
 ]
 
-_MAGIC = b"kvct1"  # a control frame, untagged
-_SEALED = b"kvcm1"  # a control frame tagged with the shared secret: magic, tag, body
-_MAX_BYTES = 4096
-_DOMAIN = b"kvfsm/control"
+_FRAMES = Framing(b"kvct1", b"kvcm1", b"kvfsm/control", "control", 4096)
 
 
 class ControlRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -55,41 +53,18 @@ _encoder = msgspec.msgpack.Encoder()
 
 def is_control(data: bytes) -> bool:
     """Whether `data` is a control frame (else a handshake's, or nobody's)."""
-    return data.startswith((_MAGIC, _SEALED))
+    return _FRAMES.owns(data)
 
 
 def encode_control(message: _Frame, secret: SharedSecret | None, nonce: bytes = b"") -> bytes:
     """One frame; with `secret`, tagged (a reply's tag covers its request's `nonce`)."""
-    body = _encoder.encode(message)
-    if secret is None:
-        return _MAGIC + body
     kind = b"request" if isinstance(message, ControlRequest) else b"reply"
-    return _SEALED + secret.tag(_DOMAIN, kind, nonce, body) + body
-
-
-def _open(data: bytes, secret: SharedSecret | None, kind: bytes, nonce: bytes) -> bytes:
-    if len(data) > _MAX_BYTES:
-        raise SidechannelError(f"control {kind.decode()} of {len(data)} bytes")
-    if data.startswith(_SEALED) and len(data) >= len(_SEALED) + TAG_BYTES:
-        start = len(_SEALED) + TAG_BYTES
-        body, tag = data[start:], data[len(_SEALED) : start]
-    elif data.startswith(_MAGIC):
-        body, tag = data[len(_MAGIC) :], None
-    else:
-        raise SidechannelError(f"not a kvfsm control frame (starts {data[:8]!r})")
-    if secret is not None:
-        if tag is None:
-            raise Unauthenticated(f"untagged control {kind.decode()}: the secret is needed")
-        try:
-            secret.check(tag, _DOMAIN, kind, nonce, body)
-        except AuthError:
-            raise Unauthenticated(f"control {kind.decode()} with a wrong tag") from None
-    return body
+    return _FRAMES.seal(_encoder.encode(message), kind, nonce, secret)
 
 
 def decode_control_request(data: bytes, secret: SharedSecret | None) -> ControlRequest:
     """A request frame; `SidechannelError` (`Unauthenticated`) says why one is refused."""
-    body = _open(data, secret, b"request", b"")
+    body = _FRAMES.open(data, b"request", b"", secret)
     try:
         return msgspec.msgpack.decode(body, type=ControlRequest)
     except (msgspec.MsgspecError, ValueError, RecursionError) as exc:
@@ -98,7 +73,7 @@ def decode_control_request(data: bytes, secret: SharedSecret | None) -> ControlR
 
 def decode_control_reply(data: bytes, secret: SharedSecret | None, nonce: bytes) -> ControlReply:
     """A reply frame, tagged for the request of `nonce` when there is a secret."""
-    body = _open(data, secret, b"reply", nonce)
+    body = _FRAMES.open(data, b"reply", nonce, secret)
     try:
         return msgspec.msgpack.decode(body, type=ControlReply)
     except (msgspec.MsgspecError, ValueError, RecursionError) as exc:

@@ -18,8 +18,9 @@ import msgspec
 from kvfsm.core import TransferStatus
 from kvfsm.runtime import StatusQuery
 from kvfsm.sidechannel._client import _exchange
+from kvfsm.sidechannel._frames import Framing
 from kvfsm.sidechannel._payload import MAX_HANDSHAKE_BYTES, SidechannelError, new_nonce
-from kvfsm.wire import TAG_BYTES, AuthError, SharedSecret
+from kvfsm.wire import SharedSecret
 
 __all__ = [
     "StatusAnswer",
@@ -30,9 +31,7 @@ __all__ = [
     "status_reply",
 ]
 
-_MAGIC = b"kvst1"  # an untagged status frame
-_SEALED = b"kvsm1"  # tagged with the shared secret: magic, tag, body
-_DOMAIN = b"kvfsm/status"
+_FRAMES = Framing(b"kvst1", b"kvsm1", b"kvfsm/status", "status", MAX_HANDSHAKE_BYTES)
 
 
 class StatusRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -55,33 +54,7 @@ _answer_decoder = msgspec.msgpack.Decoder(StatusAnswer)
 
 def is_status_frame(data: bytes) -> bool:
     """Whether a frame reaching the listener is a status question (else a handshake's)."""
-    return data.startswith((_MAGIC, _SEALED))
-
-
-def _seal(body: bytes, kind: bytes, nonce: bytes, secret: SharedSecret | None) -> bytes:
-    if secret is None:
-        return _MAGIC + body
-    return _SEALED + secret.tag(_DOMAIN, kind, nonce, body) + body
-
-
-def _open(data: bytes, kind: bytes, nonce: bytes, secret: SharedSecret | None) -> bytes:
-    """The body of a status frame; SidechannelError if it is not one, or not tagged for us."""
-    if len(data) > MAX_HANDSHAKE_BYTES:
-        raise SidechannelError(f"status frame of {len(data)} bytes")
-    if data.startswith(_SEALED) and len(data) >= len(_SEALED) + TAG_BYTES:
-        tag, body = data[len(_SEALED) : len(_SEALED) + TAG_BYTES], data[len(_SEALED) + TAG_BYTES :]
-    elif data.startswith(_MAGIC):
-        tag, body = None, data[len(_MAGIC) :]
-    else:
-        raise SidechannelError(f"not a kvfsm status frame (starts {data[:8]!r})")
-    if secret is not None:
-        if tag is None:
-            raise SidechannelError(f"untagged status {kind.decode()}: the shared secret is needed")
-        try:
-            secret.check(tag, _DOMAIN, kind, nonce, body)
-        except AuthError:
-            raise SidechannelError(f"status {kind.decode()} with a wrong tag") from None
-    return body
+    return _FRAMES.owns(data)
 
 
 StatusAnswerer = Callable[[StatusQuery], TransferStatus]
@@ -95,13 +68,15 @@ def status_reply(
     called with the decoded `StatusQuery` and returns a `TransferStatus`; a question that
     cannot be decoded or authenticated gets "unanswered", untagged."""
     try:
-        body = _open(data, b"question", b"", secret)
+        body = _FRAMES.open(data, b"question", b"", secret)
         request = _request_decoder.decode(body)
     except (SidechannelError, msgspec.MsgspecError, ValueError, RecursionError):
-        return _seal(_encoder.encode(StatusAnswer("unanswered")), b"answer", b"", None), "refused"
+        return _FRAMES.seal(
+            _encoder.encode(StatusAnswer("unanswered")), b"answer", b"", None
+        ), "refused"
     status: TransferStatus = "unanswered" if answer is None else answer(request.query)
     reply = _encoder.encode(StatusAnswer(status))
-    return _seal(reply, b"answer", request.nonce, secret), "answered"
+    return _FRAMES.seal(reply, b"answer", request.nonce, secret), "answered"
 
 
 def ask_status(
@@ -117,8 +92,8 @@ def ask_status(
     nonce = b"" if secret is None else new_nonce()
     body = _encoder.encode(StatusRequest(query, nonce))
     try:
-        data = _exchange(host, port, _seal(body, b"question", b"", secret), timeout_s)
-        answer = _answer_decoder.decode(_open(data, b"answer", nonce, secret))
+        data = _exchange(host, port, _FRAMES.seal(body, b"question", b"", secret), timeout_s)
+        answer = _answer_decoder.decode(_FRAMES.open(data, b"answer", nonce, secret))
     except Exception:  # HandshakeError, SidechannelError, msgspec's: no answer, no guess
         return "unanswered"
     return answer.status

@@ -429,6 +429,25 @@ def engine_shut_down_while_draining(mode: Mode) -> Cluster:
     return c
 
 
+def p_drains_with_leases_held(mode: Mode) -> Cluster:
+    """P drains holding one request matched (its handshake back to D hangs) and one leased (D's
+    registration still on its way): both leases are cut, D hears `draining`."""
+    c = _cluster(mode)
+    c.directory.hang_next("D#0", seconds=60.0)
+    c.admit("m", 2)
+    c.finish_prefill("m")
+    p_id = c.requests["m"].p_id
+    for _ in range(1000):
+        if getattr(c.engines["P#0"].side.requests.get(p_id), "state", None) == "matched":
+            break
+        c.step(0.001)
+    c.admit("l", 2)
+    c.finish_prefill("l")
+    c.engines["P#0"].submit(Drain())
+    c.collect()
+    return c
+
+
 def goodbye_to_a_failed_peer(mode: Mode) -> Cluster:
     """A goodbye reaches D while its handshakes with P fail."""
     c = _cluster(mode, slow=False)
@@ -485,6 +504,7 @@ INTERLEAVINGS: tuple[Interleaving, ...] = (
     engine_drains_mid_transfer,
     d_drains_before_its_load,
     engine_shut_down_while_draining,
+    p_drains_with_leases_held,
     goodbye_to_a_failed_peer,
     goodbyes_before_a_connection,
 )
