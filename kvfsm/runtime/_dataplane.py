@@ -24,6 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Literal, NamedTuple, Protocol, TypeVar
 
+from kvfsm.core import short_trace
 from kvfsm.fabric import (
     Fabric,
     FabricError,
@@ -40,6 +41,7 @@ __all__ = [
     "InlinePlane",
     "NotificationsDrained",
     "NotifySent",
+    "PlaneFault",
     "PlaneResult",
     "ThreadedPlane",
     "TransferEnded",
@@ -78,6 +80,14 @@ class NotifySent(NamedTuple):
     """Set where the notification is a transfer's whole completion (no bytes to move)."""
 
 
+class PlaneFault(NamedTuple):
+    """A bug the data-plane thread contained (an exception that is not a fabric error): the
+    thread goes on; a transfer it was posting ends failed."""
+
+    detail: str
+    trace: str
+
+
 class NotificationsDrained(NamedTuple):
     """Notifications the fabric received, by sender (`failed`: draining raised)."""
 
@@ -85,7 +95,7 @@ class NotificationsDrained(NamedTuple):
     failed: bool
 
 
-PlaneResult = TransferEnded | NotifySent | NotificationsDrained
+PlaneResult = TransferEnded | NotifySent | NotificationsDrained | PlaneFault
 MakeTransfer = Callable[[Fabric], XferHandle]
 
 
@@ -288,17 +298,24 @@ class ThreadedPlane:
             self.turns += 1
             ran = bool(calls)
             while calls:
-                calls.popleft()()
+                self._contained(calls.popleft())
             if self._stopping:
                 self._wake()
                 return
-            self._drain()
-            self._check_all()
+            self._contained(self._drain)
+            self._contained(self._check_all)
             reported = self._wake()
             moving = bool(self._handles)
             delay = self.pacing.next(ran or moving or reported, time.monotonic())
             if not calls:
                 bell.wait(delay if moving or self.busy else self.idle_poll_s)
+
+    def _contained(self, call: Callable[[], None]) -> None:
+        """Run `call`; a bug in it is reported, and the thread serves on."""
+        try:
+            call()
+        except Exception as exc:
+            self._report(PlaneFault(f"data plane: {exc!r}", short_trace(exc)))
 
     def _report(self, result: PlaneResult) -> None:
         self._results.append(result)
@@ -312,7 +329,11 @@ class ThreadedPlane:
         return fresh
 
     def _post(self, transfer_id: int, make: MakeTransfer) -> None:
-        handle, ended = _post(self.fabric, transfer_id, make)
+        try:
+            handle, ended = _post(self.fabric, transfer_id, make)
+        except Exception as exc:  # a bug: the transfer fails, its request ends
+            self._report(TransferEnded(transfer_id, False, repr(exc), False, False, None, ()))
+            raise
         if ended is None and handle is not None:
             self._handles[transfer_id] = handle
         else:

@@ -443,8 +443,11 @@ class Engine:
                     self._receive(sender, payload)
         elif isinstance(result, TransferEnded):
             self._ended(result)
-        else:
+        elif isinstance(result, NotifySent):
             self._sent(result)
+        else:
+            self.counters["internal_error"] += 1
+            self.outputs.append(InternalError(result.detail, (), result.trace))
 
     def _ended(self, ended: TransferEnded) -> None:
         flight = self.inflight.pop(ended.transfer_id, None)

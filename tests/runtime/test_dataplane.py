@@ -18,6 +18,7 @@ from kvfsm.runtime._dataplane import (
     InlinePlane,
     NotificationsDrained,
     NotifySent,
+    PlaneFault,
     PlaneResult,
     ThreadedPlane,
     TransferEnded,
@@ -158,3 +159,19 @@ def test_the_inline_plane_reports_on_the_callers_thread_at_once() -> None:
     assert handle is not None and len(got) == 1
     assert isinstance(got[0], TransferEnded) and got[0].ok and got[0].posted
     assert instant.bbuf[:16].tolist() == instant.abuf[:16].tolist()
+
+
+def test_a_bug_on_the_plane_thread_fails_its_transfer_and_the_thread_goes_on(
+    plane: tuple[ThreadedPlane, _Results, ThreadRecorder],
+) -> None:
+    threaded, results, _ = plane
+
+    def broken(_fabric: Fabric) -> XferHandle:
+        raise ZeroDivisionError("a bug")
+
+    threaded.post(4, broken)
+    results.wait_for(threaded, lambda: len(results.got) >= 2)
+    ended, fault = results.got
+    assert isinstance(ended, TransferEnded) and not ended.ok and "a bug" in ended.why
+    assert isinstance(fault, PlaneFault) and "ZeroDivisionError" in fault.detail
+    assert threaded.run(lambda fabric: fabric.agent_name) == "a"
