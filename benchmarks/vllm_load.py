@@ -170,7 +170,7 @@ def bench_one(name: str, model: Path, args: argparse.Namespace) -> dict[str, Any
         return {"by_concurrency": rows, "error": None}
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [""])[0]
-        _progress(f"{name}: FAILED: {type(exc).__name__}: {first}")
+        _progress(f"{name}: FAILED: {type(exc).__name__}: {first} (logs: {args.log_dir})")
         return {"by_concurrency": {}, "error": f"{type(exc).__name__}: {first}"[:300]}
     finally:
         if proxy is not None:
