@@ -3,6 +3,8 @@ concurrency, and wrong tokens flagged in the table (the sweep itself needs `vllm
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,7 +42,7 @@ def test_ratios_are_over_nixl_at_the_same_concurrency() -> None:
 
 def test_kvfsm_extra_reaches_only_kvfsm_and_each_engine_gets_a_core(monkeypatch: Any) -> None:
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    args = vllm_load.argparse.ArgumentParser()
+    args = argparse.ArgumentParser()
     args.add_argument("--kvfsm-extra", type=vllm_load._extra_setting, action="append")
     given = args.parse_args(["--kvfsm-extra", "poll_max_us=500", "--kvfsm-extra", "mode_x=a=b"])
     extra = dict(given.kvfsm_extra)
@@ -49,7 +51,7 @@ def test_kvfsm_extra_reaches_only_kvfsm_and_each_engine_gets_a_core(monkeypatch:
     assert p["kv_connector_extra_config"]["poll_max_us"] == 500
     assert d["kv_connector_extra_config"]["mode"] == "push"
     assert p_env["VLLM_CPU_OMP_THREADS_BIND"] != d_env["VLLM_CPU_OMP_THREADS_BIND"] or (
-        len(vllm_load.os.sched_getaffinity(0)) == 1
+        len(os.sched_getaffinity(0)) == 1
     )
     (_, nixl, _), _ = vllm_load._engine_specs("nixl_pull", extra)
     assert "kv_connector_extra_config" not in nixl
@@ -62,6 +64,6 @@ def test_kvfsm_extra_needs_key_and_value() -> None:
     for bad in ("poll_max_us", "=3"):
         try:
             vllm_load._extra_setting(bad)
-        except vllm_load.argparse.ArgumentTypeError:
+        except argparse.ArgumentTypeError:
             continue
         raise AssertionError(f"{bad!r} accepted")
