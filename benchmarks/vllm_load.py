@@ -13,14 +13,25 @@ and per batch the requests served per second. Every answer is checked against P'
 token for the prompt. Prints a table with each kvfsm row's ratios to NixlConnector's at the
 same concurrency, or JSON with `--json`.
 
+Every connector runs as its users would deploy P and D on one host: each engine's worker on a
+core of its own (`VLLM_CPU_OMP_THREADS_BIND`, vLLM's CPU setting; P on the first core this
+process may use, D on the second; set in the environment, it wins). vLLM's default ("auto")
+spreads both engines' OpenMP threads over the same cores, and their spinning barriers, beside
+NIXL's busy-polling threads in NixlConnector's workers, made its prefill ~7x slower.
+NixlConnector otherwise runs on its defaults (its progress thread on, as it creates its agent);
+`--kvfsm-extra KEY=VALUE` adds to kvfsm's `kv_connector_extra_config` (unknown keys are refused
+at start-up).
+
     python benchmarks/vllm_load.py                    # nixl_pull, kvfsm_pull, kvfsm_push
     python benchmarks/vllm_load.py --only kvfsm_pull --concurrency 4 --json
+    python benchmarks/vllm_load.py --only kvfsm_push --kvfsm-extra poll_max_us=500
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -43,22 +54,50 @@ REFERENCE = "nixl_pull"
 _START_S = 300.0
 
 
-def _engines(name: str, model: Path, logs: Path) -> tuple[Served, Served]:
-    """P and D for connector `name`, started (not yet ready)."""
-    engines = []
-    for role, side in (("kv_producer", "p"), ("kv_consumer", "d")):
+def _engine_specs(
+    name: str, kvfsm_extra: dict[str, Any] | None = None
+) -> list[tuple[str, dict[str, Any], dict[str, str]]]:
+    """(side, `--kv-transfer-config`, environment) of P then D for connector `name`: each
+    engine's worker on a core of its own unless the environment binds them."""
+    specs = []
+    cpus = sorted(os.sched_getaffinity(0))
+    for index, (role, side) in enumerate((("kv_producer", "p"), ("kv_consumer", "d"))):
         env: dict[str, str] = {}
+        if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[index % len(cpus)])
         if name.startswith("nixl"):
             connector = "NixlConnector" if name == "nixl_pull" else "NixlPushConnector"
             config: dict[str, Any] = {"kv_connector": connector, "kv_role": role}
-            env = {
-                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
-            }
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
         else:
-            config = kvfsm_transfer_config(role, name.removeprefix("kvfsm_"), free_port())
-        engines.append(Served(model, free_port(), logs / f"{name}-{side}.log", config, env=env))
-    return engines[0], engines[1]
+            mode = name.removeprefix("kvfsm_")
+            config = kvfsm_transfer_config(role, mode, free_port(), **(kvfsm_extra or {}))
+        specs.append((side, config, env))
+    return specs
+
+
+def _engines(
+    name: str, model: Path, logs: Path, kvfsm_extra: dict[str, Any] | None = None
+) -> tuple[Served, Served]:
+    """P and D for connector `name`, started (not yet ready)."""
+    p, d = (
+        Served(model, free_port(), logs / f"{name}-{side}.log", config, env=env)
+        for side, config, env in _engine_specs(name, kvfsm_extra)
+    )
+    return p, d
+
+
+def _extra_setting(text: str) -> tuple[str, Any]:
+    """`KEY=VALUE` of `--kvfsm-extra`: VALUE as JSON where it parses (numbers, true, null),
+    else the string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, not {text!r}")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
 
 
 def _request(proxy: str, prompt: list[int]) -> tuple[float, float, list[int]]:
@@ -96,6 +135,8 @@ def _batch(
     return {
         "ttft_ms_p50": float(np.percentile(ttft, 50)),
         "ttft_ms_p99": float(np.percentile(ttft, 99)),
+        "ttft_ms_max": float(ttft.max()),
+        "ttft_ms_by_request": [round(float(t), 1) for t in ttft],
         "handoff_ms_p50": float(np.percentile(handoff, 50)),
         "handoff_ms_p99": float(np.percentile(handoff, 99)),
         "requests_per_s": len(prompts) / wall,
@@ -106,7 +147,7 @@ def _batch(
 def bench_one(name: str, model: Path, args: argparse.Namespace) -> dict[str, Any]:
     """Start one connector's engines and proxy, warm up, sweep the concurrencies."""
     t0 = time.monotonic()
-    p, d = _engines(name, model, args.log_dir)
+    p, d = _engines(name, model, args.log_dir, dict(args.kvfsm_extra or ()))
     proxy = None
     try:
         until = time.monotonic() + _START_S
@@ -129,7 +170,7 @@ def bench_one(name: str, model: Path, args: argparse.Namespace) -> dict[str, Any
         return {"by_concurrency": rows, "error": None}
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [""])[0]
-        _progress(f"{name}: FAILED: {type(exc).__name__}: {first}")
+        _progress(f"{name}: FAILED: {type(exc).__name__}: {first} (logs: {args.log_dir})")
         return {"by_concurrency": {}, "error": f"{type(exc).__name__}: {first}"[:300]}
     finally:
         if proxy is not None:
@@ -196,9 +237,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
     ap.add_argument("--json", action="store_true", help="print a JSON object, not a table")
     ap.add_argument("--log-dir", type=Path, default=None, help="engine logs (default: a tmp dir)")
+    ap.add_argument(
+        "--kvfsm-extra",
+        type=_extra_setting,
+        action="append",
+        metavar="KEY=VALUE",
+        help="a kvfsm kv_connector_extra_config setting for the kvfsm_* variants (repeatable)",
+    )
     args = ap.parse_args(argv)
     args.concurrency = args.concurrency or [1, 4, 16]
     args.log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvfsm-bench-load-"))
+    args.log_dir.mkdir(parents=True, exist_ok=True)
     args.prompts = make_prompts(args.requests, args.seed)
     args.warm = make_prompts(8, args.seed + 1)
     model = make_tiny_llama(Path(tempfile.gettempdir()) / "kvfsm-tiny-llama")
@@ -206,6 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "requests": args.requests,
         "concurrency": args.concurrency,
         "log_dir": str(args.log_dir),
+        "kvfsm_extra": dict(args.kvfsm_extra or ()),
         "connectors": {},
     }
     for name in args.only or DEFAULT:

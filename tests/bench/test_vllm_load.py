@@ -3,6 +3,8 @@ concurrency, and wrong tokens flagged in the table (the sweep itself needs `vllm
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,3 +38,32 @@ def test_ratios_are_over_nixl_at_the_same_concurrency() -> None:
     assert four["ratio_handoff_ms_p99"] == 0.1
     text = vllm_load.table(report)
     assert "1 MISMATCHES" in text and "kvfsm_push  ERROR ServeError: down" in text
+
+
+def test_kvfsm_extra_reaches_only_kvfsm_and_each_engine_gets_a_core(monkeypatch: Any) -> None:
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    args = argparse.ArgumentParser()
+    args.add_argument("--kvfsm-extra", type=vllm_load._extra_setting, action="append")
+    given = args.parse_args(["--kvfsm-extra", "poll_max_us=500", "--kvfsm-extra", "mode_x=a=b"])
+    extra = dict(given.kvfsm_extra)
+    assert extra == {"poll_max_us": 500, "mode_x": "a=b"}
+    (_, p, p_env), (_, d, d_env) = vllm_load._engine_specs("kvfsm_push", extra)
+    assert p["kv_connector_extra_config"]["poll_max_us"] == 500
+    assert d["kv_connector_extra_config"]["mode"] == "push"
+    assert p_env["VLLM_CPU_OMP_THREADS_BIND"] != d_env["VLLM_CPU_OMP_THREADS_BIND"] or (
+        len(os.sched_getaffinity(0)) == 1
+    )
+    (_, nixl, _), _ = vllm_load._engine_specs("nixl_pull", extra)
+    assert "kv_connector_extra_config" not in nixl
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    (_, _, env), _ = vllm_load._engine_specs("nixl_pull")
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in env  # the environment's binding wins
+
+
+def test_kvfsm_extra_needs_key_and_value() -> None:
+    for bad in ("poll_max_us", "=3"):
+        try:
+            vllm_load._extra_setting(bad)
+        except argparse.ArgumentTypeError:
+            continue
+        raise AssertionError(f"{bad!r} accepted")
