@@ -52,6 +52,9 @@ DataPlaneKind = Literal["loop", "thread"]
 """Where the fabric calls run: on the engine loop's thread, or on a data-plane thread."""
 DATA_PLANES: tuple[DataPlaneKind, ...] = ("loop", "thread")
 _CALL_TIMEOUT_S = 30.0
+import os as _os  # EXPERIMENT
+
+_YIELD = bool(_os.environ.get("KVFSM_PLANE_YIELD"))
 
 
 class TransferEnded(NamedTuple):
@@ -212,7 +215,7 @@ class ThreadedPlane:
 
     def __init__(self, fabric: Fabric, deliver: Callable[[PlaneResult], None], name: str) -> None:
         self.fabric = fabric
-        self.busy = False
+        self._busy = False
         self.pacing = Backoff(20e-6, 1e-3, 1e-3)
         self.idle_poll_s = 0.05
         self.turns = 0
@@ -228,6 +231,17 @@ class ThreadedPlane:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     # --- from the engine's thread ----------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        """Requests are live: poll with the pacing, not the idle interval."""
+        return self._busy
+
+    @busy.setter
+    def busy(self, busy: bool) -> None:
+        if busy and not self._busy:  # cut an idle wait short: a request's messages may come
+            self._bell.ring()
+        self._busy = busy
 
     def start(self, on_results: Callable[[], None], pacing: Backoff, idle_poll_s: float) -> None:
         """Start the plane's thread; `on_results` (e.g. the engine loop's `wake`) is called
@@ -288,6 +302,8 @@ class ThreadedPlane:
             raise RuntimeError(f"the data plane {self._thread.name} is not running")
         self._calls.append(call)
         self._bell.ring()
+        if _YIELD:  # EXPERIMENT
+            time.sleep(0)
 
     # --- the plane's thread ------------------------------------------------------------------------
 
@@ -308,7 +324,7 @@ class ThreadedPlane:
             moving = bool(self._handles)
             delay = self.pacing.next(ran or moving or reported, time.monotonic())
             if not calls:
-                bell.wait(delay if moving or self.busy else self.idle_poll_s)
+                bell.wait(delay if moving or self._busy else self.idle_poll_s)
 
     def _contained(self, call: Callable[[], None]) -> None:
         """Run `call`; a bug in it is reported, and the thread serves on."""
