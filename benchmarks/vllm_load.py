@@ -25,7 +25,6 @@ at start-up).
     python benchmarks/vllm_load.py                    # nixl_pull, kvfsm_pull, kvfsm_push
     python benchmarks/vllm_load.py --only kvfsm_pull --concurrency 4 --json
     python benchmarks/vllm_load.py --only kvfsm_push --kvfsm-extra poll_max_us=500
-    python benchmarks/vllm_load.py --only kvfsm_push --only kvfsm_push_thread   # A/B
 """
 
 from __future__ import annotations
@@ -49,15 +48,7 @@ from kvfsm.serving.proxy import Proxy
 from kvfsm.serving.serve import Served, complete, kvfsm_transfer_config
 from kvfsm.testing import free_port
 
-NAMES = (
-    "nixl_pull",
-    "nixl_push",
-    "kvfsm_pull",
-    "kvfsm_push",
-    "kvfsm_pull_thread",
-    "kvfsm_push_thread",
-)
-"""Connectors; `kvfsm_*_thread`: kvfsm with its NIXL calls on a data-plane thread."""
+NAMES = ("nixl_pull", "nixl_push", "kvfsm_pull", "kvfsm_push")
 DEFAULT = ("nixl_pull", "kvfsm_pull", "kvfsm_push")
 REFERENCE = "nixl_pull"
 _START_S = 300.0
@@ -80,9 +71,8 @@ def _engine_specs(
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
         else:
-            mode, _, plane = name.removeprefix("kvfsm_").partition("_")
-            extra = (kvfsm_extra or {}) | ({"data_plane": plane} if plane else {})
-            config = kvfsm_transfer_config(role, mode, free_port(), **extra)
+            mode = name.removeprefix("kvfsm_")
+            config = kvfsm_transfer_config(role, mode, free_port(), **(kvfsm_extra or {}))
         specs.append((side, config, env))
     return specs
 

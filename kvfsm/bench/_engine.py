@@ -17,7 +17,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -33,7 +32,7 @@ from kvfsm.bench._memory import on_host
 from kvfsm.bench._raw import BenchPlan, check_sink, kv_buffer, recv_bounded
 from kvfsm.core import ReportFailed, ReportReceived
 from kvfsm.layout import KvGeometry
-from kvfsm.runtime import DataPlaneKind, RequestTrace
+from kvfsm.runtime import RequestTrace
 
 __all__ = ["HOPS", "bench_geometry", "handoff_hops", "run_engine_variant"]
 
@@ -83,18 +82,9 @@ def bench_geometry(plan: BenchPlan) -> KvGeometry:
     )
 
 
-def _rank(
-    side: str,
-    plan: BenchPlan,
-    coalesce: bool,
-    verify: str,
-    data_plane: DataPlaneKind,
-    conn: Connection,
-) -> None:
+def _rank(side: str, plan: BenchPlan, coalesce: bool, verify: str, conn: Connection) -> None:
     """One rank process: serve the driver's steps, then report figures."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    if plan.gil_switch_us > 0:  # as the vLLM connector sets its worker's
-        sys.setswitchinterval(plan.gil_switch_us * 1e-6)
     from kvfsm.core import Consumer, CoreConfig, Identity, Producer
     from kvfsm.harness import close_rank, open_rank
     from kvfsm.runtime import EngineLoop, KvCache, status_answerer
@@ -111,7 +101,6 @@ def _rank(
         core,
         KvCache(g, [buf]),
         coalesce=coalesce,
-        data_plane=data_plane,
         compat_hash=compat_hash(
             wire_version=WIRE_VERSION, mode=mode, model="bench", dtype="bf16", geometry=g
         ),
@@ -278,28 +267,17 @@ def _ids(blocks: list[int]) -> npt.NDArray[np.int32]:
     return np.asarray(blocks, dtype=np.int32)
 
 
-def run_engine_variant(
-    plan: BenchPlan, *, coalesce: bool, verify: str = "off", data_plane: DataPlaneKind = "loop"
-) -> dict[str, Any]:
-    """The engine's run (b; c with `coalesce`; b with `verify`, or with its fabric calls on a
-    data-plane thread: `data_plane="thread"`): wall time, D's per-request
+def run_engine_variant(plan: BenchPlan, *, coalesce: bool, verify: str = "off") -> dict[str, Any]:
+    """The engine's run (b, c with `coalesce`, or b with `verify`): wall time, D's per-request
     latency (admit to received), the posting side's CPU, descriptor counts and whether every
     byte arrived."""
     ctx = mp.get_context("spawn")
     pipes = {side: ctx.Pipe() for side in ("P", "D")}
-    variant = (
-        "coalesced"
-        if coalesce
-        else "verified"
-        if verify != "off"
-        else "threaded"
-        if data_plane == "thread"
-        else "engine"
-    )
+    variant = "coalesced" if coalesce else "engine" if verify == "off" else "verified"
     procs = [
         ctx.Process(
             target=_rank,
-            args=(side, plan, coalesce, verify, data_plane, child),
+            args=(side, plan, coalesce, verify, child),
             daemon=True,
             name=f"{variant} {side}",
         )

@@ -75,9 +75,6 @@ class BenchPlan(msgspec.Struct, frozen=True, kw_only=True):
     """kvfsm's setting for its own variants; the vLLM-style anchor keeps NIXL's default."""
     memory: Memory = "dram"
     """Where both sides' KV caches are: host memory, or the CUDA device's."""
-    gil_switch_us: float = 0.0
-    """The engine variants' processes' GIL switch interval (0: Python's 5 ms; the vLLM
-    connector sets its worker's to 250 µs by default)."""
     blocks_first: bool = False
     """vLLM's BLHNC/BLNHC: every region's (layer's) page of a block lies together, blocks one
     after the other; False: LBHNC/LBNHC, each region its blocks back to back."""

@@ -35,13 +35,11 @@ _VARIANTS: dict[str, Callable[[BenchPlan], dict[str, Any]]] = {
     "engine": lambda plan: run_engine_variant(plan, coalesce=False),
     "coalesced": lambda plan: run_engine_variant(plan, coalesce=True),
     "verified": lambda plan: run_engine_variant(plan, coalesce=False, verify="all"),
-    "threaded": lambda plan: run_engine_variant(plan, coalesce=False, data_plane="thread"),
 }
 VARIANTS = tuple(_VARIANTS)
 """The variants' report keys; "raw" and "engine" (a2 and b, the headline ratio) always run;
-"verified" (b with `verify = "all"`: checksums on both sides) and "threaded" (b with its NIXL
-calls on a data-plane thread) only when asked."""
-DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v not in ("verified", "threaded"))
+"verified" (b with `verify = "all"`: checksums on both sides) only when asked."""
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "verified")
 # Ratio key -> (numerator, denominator) variants; a ratio is None where one of them did not run.
 _RATIOS = {
     "ratio_engine_raw": ("engine", "raw"),
@@ -50,8 +48,6 @@ _RATIOS = {
     "ratio_raw_vllm_style": ("raw", "raw_vllm_style"),
     "ratio_raw_unmerged": ("raw", "raw_unmerged"),
     "ratio_verified_engine": ("verified", "engine"),
-    "ratio_threaded_raw": ("threaded", "raw"),
-    "ratio_threaded_engine": ("threaded", "engine"),
 }
 
 
@@ -84,7 +80,6 @@ class BenchOptions:
         more_inflight: tuple[int, ...] = (),
         variants: tuple[str, ...] = DEFAULT_VARIANTS,
         layout: str = "LBHNC",
-        gil_switch_us: float = 0.0,
     ) -> None:
         """`inflight`: the headline's transfers in flight at most; `more_inflight`: further
         numbers every variant also runs at (`by_inflight`); `variants`: which run (a GPU's
@@ -141,7 +136,6 @@ class BenchOptions:
             ucx_error_handling=ucx_error_handling,
             memory=memory,
             blocks_first=layout.startswith("BL"),
-            gil_switch_us=gil_switch_us,
         )
 
 
@@ -155,7 +149,6 @@ def run_bench(options: BenchOptions, advance: Callable[[int], None]) -> dict[str
     report: dict[str, Any] = {
         "mode": options.mode,
         "op": plan.op,
-        "gil_switch_us": plan.gil_switch_us,
         "allocation": options.allocation,
         "block_bytes": plan.block_bytes,
         "regions": plan.regions,
@@ -207,9 +200,6 @@ def _transfers(
         figures |= _figures(plan, variant, medians[variant])
         figures[f"{variant}_gbps_runs"] = [gbps(plan, r) for r in results]  # in round order
     figures |= _latency(options.mode, medians["raw"], medians["engine"])
-    if "threaded" in medians:  # the same hand-off with the NIXL calls on a data-plane thread
-        threaded = _latency(options.mode, medians["raw"], medians["threaded"])
-        figures |= {f"threaded_{k}": v for k, v in threaded.items() if k.startswith("handoff")}
     figures["engine_idle_cpu_per_s"] = medians["engine"].get("idle_cpu_per_s")
     # b/a2 per request: each median's time per request, from its throughput. b/a2 >= 0.95
     # leaves the engine raw NIXL's time / 19 a request, at any request size.
@@ -232,13 +222,6 @@ def _transfers(
                 b / a2
                 for b, a2 in zip(figures["engine_gbps_runs"], figures["raw_gbps_runs"], strict=True)
             ],
-            "ratio_threaded_raw_by_round": [
-                b / a2
-                for b, a2 in zip(
-                    figures.get("threaded_gbps_runs", ()), figures["raw_gbps_runs"], strict=False
-                )
-            ]
-            or None,
             "verified": all(bool(r["verified"]) for results in runs.values() for r in results),
         }
     )

@@ -113,7 +113,6 @@ def bench_table(report: dict[str, object]) -> None:
         ("b  engine per block", "engine"),
         ("c  engine coalesced", "coalesced"),
         ("v  engine, verify=all", "verified"),
-        ("t  engine, data-plane thread", "threaded"),
         ("d  memcpy" if report["memory"] == "dram" else "d  device copy", "memcpy"),
     ]
     for label, key in rows:
@@ -139,15 +138,6 @@ def bench_table(report: dict[str, object]) -> None:
         + ("" if c_a1 is None else f"; c/a1 {c_a1:.2f}")
         + ("" if v_b is None else f"; v/b {v_b:.2f} (the cost of verify=all)")
     )
-    t_rounds = report.get("ratio_threaded_raw_by_round")
-    if isinstance(t_rounds, list):
-        console.print(
-            f"t/a2 {report['ratio_threaded_raw']:.2f} (round by round: "
-            + ", ".join(f"{r:.2f}" for r in t_rounds)
-            + f"); t/b {report['ratio_threaded_engine']:.2f}; hand-off p50"
-            f" {report['threaded_handoff_us_p50']:.0f} µs (p99"
-            f" {report['threaded_handoff_us_p99']:.0f}) with the data-plane thread"
-        )
     raw_us = float(report["raw_time_us_per_request"])  # type: ignore[arg-type]
     console.print(
         f"engine {report['engine_extra_us_per_request']:+.0f} µs a request over raw NIXL's"
@@ -165,17 +155,24 @@ def bench_table(report: dict[str, object]) -> None:
     sweep = report.get("by_inflight")
     if isinstance(sweep, dict):
         by = Table(title="by transfers in flight")
-        threaded = "threaded_gbps" in report
-        heads: tuple[str, ...] = ("in flight", "a2 GB/s", "b GB/s", "b/a2", "hand-off p50 µs")
-        heads += ("t/a2", "t hand-off p50 µs") if threaded else ()
-        for column in (*heads, "raw notified p50 µs"):
+        for column in (
+            "in flight",
+            "a2 GB/s",
+            "b GB/s",
+            "b/a2",
+            "hand-off p50 µs",
+            "raw notified p50 µs",
+        ):
             by.add_column(column, justify="right")
         for n, f in sweep.items():
-            cells = [f"{f['raw_gbps']:.2f}", f"{f['engine_gbps']:.2f}"]
-            cells += [f"{f['ratio_engine_raw']:.2f}", f"{f['handoff_us_p50']:.0f}"]
-            if threaded:
-                cells += [f"{f['ratio_threaded_raw']:.2f}", f"{f['threaded_handoff_us_p50']:.0f}"]
-            by.add_row(n, *cells, f"{f['raw_notified_us_p50']:.0f}")
+            by.add_row(
+                n,
+                f"{f['raw_gbps']:.2f}",
+                f"{f['engine_gbps']:.2f}",
+                f"{f['ratio_engine_raw']:.2f}",
+                f"{f['handoff_us_p50']:.0f}",
+                f"{f['raw_notified_us_p50']:.0f}",
+            )
         console.print(by)
     control = report.get("control_us_per_request")
     engine = report.get("control_engine_us_per_request")

@@ -34,7 +34,6 @@ from kvfsm.core import (
 )
 from kvfsm.fabric import UCX_ERROR_HANDLING_DEFAULT, UcxErrorHandling
 from kvfsm.layout import KvGeometry
-from kvfsm.runtime import DataPlaneKind
 from kvfsm.wire import WIRE_VERSION
 
 if TYPE_CHECKING:
@@ -71,7 +70,6 @@ class RankSpec(msgspec.Struct, frozen=True):
     port: int = 0  # the listener's port (0: a free one; a restarted rank may want its old one)
     handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
     secret: bytes = b""  # the deployment's shared secret (empty: none)
-    data_plane: DataPlaneKind = "loop"  # where the engine's NIXL calls run (`Engine`)
 
 
 class RankLoop(Protocol):
@@ -139,7 +137,6 @@ def open_rank(
     port: int = 0,
     handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
     secret: bytes = b"",
-    data_plane: DataPlaneKind = "loop",
 ) -> Rank:
     """A NIXL agent for `core`'s side with `kv` registered (host or CUDA memory, as `kv` is), its
     engine, the ZMQ directory that reaches peers' listeners (validating their payloads against
@@ -147,8 +144,7 @@ def open_rank(
     `handshake_timeout_s` for a peer's listener. The caller drives the engine (an `EngineLoop`,
     whose `wake` the directory's `on_result` should call) and closes the rank with `close_rank`.
     `secret` (if not empty): handshakes and notifications are authenticated with it; the engine
-    takes notifications only from peers that completed a handshake. `data_plane`: where the
-    engine's NIXL calls run (`Engine`)."""
+    takes notifications only from peers that completed a handshake."""
     from kvfsm.fabric import NixlFabric
     from kvfsm.runtime import Engine, Guests
     from kvfsm.sidechannel import HandshakeListener, ZmqDirectory, payload_of, validate
@@ -182,7 +178,6 @@ def open_rank(
         coalesce=coalesce,
         secret=shared,
         guests=guests,
-        data_plane=data_plane,
     )
     payload = payload_of(engine, compat_hash=compat_hash, wire_version=WIRE_VERSION)
     listener = HandshakeListener(
@@ -237,7 +232,6 @@ def _serve(spec: RankSpec, conn: Connection, send: _Sender, make_loop: LoopFacto
         port=spec.port,
         secret=spec.secret,
         handshake_timeout_s=spec.handshake_timeout_s,
-        data_plane=spec.data_plane,
     )
     engine, directory, listener, addresses = (
         rank.engine,

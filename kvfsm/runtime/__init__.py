@@ -2,7 +2,6 @@
 handshake contract (`PeerInfo`, `HandshakeError`, `Directory`) the side channel implements."""
 
 from kvfsm.runtime._conformance import Conformance
-from kvfsm.runtime._dataplane import DATA_PLANES, DataPlane, DataPlaneKind
 from kvfsm.runtime._engine import CallerOutput, Engine, InFlight
 from kvfsm.runtime._guests import MAX_GUESTS, Guests
 from kvfsm.runtime._handshake import Directory, HandshakeError, PeerInfo, StatusQuery
@@ -18,13 +17,10 @@ from kvfsm.runtime._routes import Route, plan_route
 from kvfsm.runtime._trace import RequestTrace, TransferStats, time_in_state
 
 __all__ = [
-    "DATA_PLANES",
     "MAX_GUESTS",
     "CallerOutput",
     "Checksum",
     "Conformance",
-    "DataPlane",
-    "DataPlaneKind",
     "Directory",
     "Engine",
     "EngineLoop",

@@ -1,10 +1,9 @@
 """The engine: feeds one side of the core with events and executes its commands on a fabric.
 
-It owns the fabric through its data plane (`_dataplane`: every fabric call inside `submit`/`poll`
-on the caller's thread, or on a data-plane thread of its own), turns notifications, transfer
-states and handshake results into events, and hands the caller the commands that concern it
-(blocks released, requests received or failed, requests finished) and a `RequestTrace` of each
-finished request.
+It owns the fabric (every fabric call happens inside `submit`/`poll`, from one thread), turns
+notifications, transfer states and handshake results into events, and hands the caller the
+commands that concern it (blocks released, requests received or failed, requests finished) and a
+`RequestTrace` of each finished request.
 """
 
 from __future__ import annotations
@@ -44,20 +43,9 @@ from kvfsm.core import (
     VerifyBlocks,
     short_trace,
 )
-from kvfsm.fabric import Fabric, FabricError, XferHandle
+from kvfsm.fabric import Fabric, FabricError, RemoteDisconnectedError, XferHandle
 from kvfsm.layout import Int64Array, coalesce
 from kvfsm.runtime._conformance import Conformance
-from kvfsm.runtime._dataplane import (
-    DataPlane,
-    DataPlaneKind,
-    InlinePlane,
-    MakeTransfer,
-    NotificationsDrained,
-    NotifySent,
-    PlaneResult,
-    ThreadedPlane,
-    TransferEnded,
-)
 from kvfsm.runtime._guests import Guests
 from kvfsm.runtime._handshake import Directory, HandshakeError, PeerInfo, StatusQuery
 from kvfsm.runtime._integrity import kv_checksum
@@ -75,11 +63,10 @@ CallerOutput = (
 
 
 class InFlight(msgspec.Struct):
-    """A transfer handed to the data plane, until it ends."""
+    """A posted transfer, checked until it ends."""
 
     request_id: str
-    handle: XferHandle | None
-    """The fabric's handle where the engine's thread knows it (not with a data-plane thread)."""
+    handle: XferHandle
     peer: str
     op: str
     bytes: int
@@ -122,7 +109,6 @@ class Engine:
         guests: Guests | None = None,
         conformance: bool = False,
         incarnation: int | None = None,
-        data_plane: DataPlaneKind = "loop",
     ) -> None:
         """`coalesce`: post each transfer as descriptor rows merged where adjacent on both sides
         (dynamic lists) instead of one prepared row per block per region (docs/performance.md
@@ -134,18 +120,9 @@ class Engine:
         `conformance`: replay every step the core takes through `transitions` (`.conformance`);
         a divergence is counted and comes out as an `InternalError` (docs/runtime.md).
         `incarnation`: this process of the engine rank, later than any before it under the
-        same agent name (default: from the wall clock); peers check it before moving KV.
-        `data_plane`: where the fabric calls run, "loop" (the thread driving the engine) or
-        "thread" (a data-plane thread, started by the `EngineLoop` that drives the engine)."""
+        same agent name (default: from the wall clock); peers check it before moving KV."""
         self.side = side
-        self.plane: DataPlane
-        if data_plane == "loop":
-            self.plane = InlinePlane(fabric, self._on_plane)
-        elif data_plane == "thread":
-            name = f"kvfsm-plane-{fabric.agent_name}"
-            self.plane = ThreadedPlane(fabric, self._on_plane, name=name)
-        else:
-            raise ValueError(f"data_plane must be 'loop' or 'thread', not {data_plane!r}")
+        self.fabric = fabric
         side.transport_drain_s = _drain_bound(side.config.transport_drain_s, fabric)
         self.kv = kv
         self.directory = directory
@@ -191,15 +168,6 @@ class Engine:
             VerifyBlocks: self._verify,
             Finished: self._finished,
         }
-
-    @property
-    def fabric(self) -> Fabric:
-        """The fabric agent (call it only where the data plane runs its calls)."""
-        return self.plane.fabric
-
-    @fabric.setter
-    def fabric(self, fabric: Fabric) -> None:
-        self.plane.fabric = fabric
 
     @property
     def agent(self) -> str:
@@ -262,9 +230,13 @@ class Engine:
         for query, status in self.directory.answers():
             self._queue.append(PeerAnswered(query.agent, query.requester_request_id, status))
             active = True
-        active |= self.plane.progress()
+        for sender, messages in self._notifications().items():
+            for payload in messages:
+                self._receive(sender, payload)
+                active = True
+        for tid, flight in list(self.inflight.items()):
+            active |= self._check(tid, flight)
         self.submit(Tick())  # also runs the results queued by the checks
-        self.plane.busy = self.busy
         return active
 
     def take_outputs(self) -> list[CallerOutput]:
@@ -278,7 +250,8 @@ class Engine:
             return
         self._closed = True
         with _Tolerant(self.counters, "close"):
-            self.plane.close()  # a data-plane thread stops: the fabric is this thread's now
+            for flight in self.inflight.values():
+                self.fabric.release_xfer_handle(flight.handle)
             self.inflight.clear()
             for peer in list(self._routes):
                 self._forget_peer(peer)
@@ -345,18 +318,14 @@ class Engine:
 
     def _route(self, peer: str, info: PeerInfo) -> Route:
         route = plan_route(self.kv.geometry, info.layout.geometry, local_is_p=self._local_is_p)
-        return self.plane.run(lambda fabric: self._prepare(fabric, route, peer, info))
-
-    def _prepare(self, fabric: Fabric, route: Route, peer: str, info: PeerInfo) -> Route:
-        """Load the peer's agent and, on the posting side, prepare the route's lists."""
-        fabric.add_remote_agent(info.metadata)
+        self.fabric.add_remote_agent(info.metadata)
         if not self._posts:
             return route
         try:
-            return prepare_route(route, fabric, self.kv, peer, info.layout)
+            return prepare_route(route, self.fabric, self.kv, peer, info.layout)
         except BaseException:
             with _Tolerant(self.counters, "remove_agent"):
-                fabric.remove_remote_agent(peer)
+                self.fabric.remove_remote_agent(peer)
             raise
 
     def _forget_peer(self, peer: str) -> None:
@@ -366,14 +335,17 @@ class Engine:
             return
         self.counters["peers_removed"] += 1
         with _Tolerant(self.counters, "remove_agent"):
-            self.plane.run(lambda fabric: _unload(fabric, route, peer))
+            for dlist in (route.local, route.remote):
+                if dlist is not None:
+                    self.fabric.release_dlist_handle(dlist)
+            self.fabric.remove_remote_agent(peer)
 
     def _post(self, cmd: PostTransfer) -> None:
         stats = self._stats.setdefault(cmd.request_id, TransferStats())
         stats.transfers += 1
         route = self._routes.get(cmd.peer)
         if route is None:
-            self._post_failed(cmd, stats, "no connection to the peer")
+            self._post_failed(cmd, stats, None, "no connection to the peer")
             return
         try:
             rows = (
@@ -381,12 +353,14 @@ class Engine:
             )
         except ValueError as exc:
             self.counters["post_refused"] += 1
-            self._post_failed(cmd, stats, str(exc))
+            self._post_failed(cmd, stats, None, str(exc))
             return
         if rows is None or not len(rows[0]):
             # Another rank moves the bytes (replicated KV), or there are none: only the
-            # completion notification travels, and is the transfer's result.
-            self._send(cmd.peer, cmd.notification, cmd.request_id, cmd.transfer_id)
+            # completion notification travels.
+            ok = self._send(cmd.peer, cmd.notification)
+            stats.failed += not ok
+            self._queue.append(TransferResult(cmd.request_id, cmd.transfer_id, ok, "notify"))
             return
         self._start(cmd, route, rows, stats)
 
@@ -399,6 +373,7 @@ class Engine:
     ) -> None:
         assert route.local is not None and route.remote is not None  # prepared on a posting side
         local_rows, remote_rows = rows
+        handle = None
         descriptors = len(local_rows)
         payload = cmd.notification
         if cmd.checksum and route.descriptors is not None:
@@ -406,87 +381,79 @@ class Engine:
                 payload, self.checksum(self.kv, route.descriptors[0][local_rows])
             )
         notification = self._seals.seal(cmd.peer, payload)
-        op, peer, local, remote = cmd.op, cmd.peer, route.local, route.remote
-        make: MakeTransfer
-        if self._coalesce and route.descriptors is not None:
-            merged = coalesce(route.descriptors[0][local_rows], route.descriptors[1][remote_rows])
-            descriptors = merged.after
-
-            def make(fabric: Fabric) -> XferHandle:
-                return fabric.make_xfer(op, merged.local, peer, merged.remote, notification)
-        else:
-
-            def make(fabric: Fabric) -> XferHandle:
-                return fabric.make_prepped_xfer(
-                    op, local, local_rows, remote, remote_rows, notification
+        try:
+            if self._coalesce and route.descriptors is not None:
+                merged = coalesce(
+                    route.descriptors[0][local_rows], route.descriptors[1][remote_rows]
                 )
-
-        # Counted when handed to the fabric; `post_failed` counts those it refused.
+                descriptors = merged.after
+                handle = self.fabric.make_xfer(
+                    cmd.op, merged.local, cmd.peer, merged.remote, notification
+                )
+            else:
+                handle = self.fabric.make_prepped_xfer(
+                    cmd.op, route.local, local_rows, route.remote, remote_rows, notification
+                )
+            state = self.fabric.transfer(handle)
+        except FabricError as exc:
+            if isinstance(exc, RemoteDisconnectedError):
+                self._lost(cmd.peer)
+            self._post_failed(cmd, stats, handle, str(exc))
+            return
         self.counters["posted"] += 1
         self.counters["descriptors"] += descriptors
         stats.descriptors += descriptors
-        flight = InFlight(cmd.request_id, None, peer, op, len(local_rows) * route.row_bytes)
+        flight = InFlight(
+            cmd.request_id, handle, cmd.peer, cmd.op, len(local_rows) * route.row_bytes
+        )
         self.inflight[cmd.transfer_id] = flight
-        flight.handle = self.plane.post(cmd.transfer_id, make)
+        if state != "PROC":
+            self._finish(cmd.transfer_id, flight, state == "DONE", state)
 
-    def _post_failed(self, cmd: PostTransfer, stats: TransferStats, why: str) -> None:
+    def _post_failed(
+        self, cmd: PostTransfer, stats: TransferStats, handle: XferHandle | None, why: str
+    ) -> None:
         self.counters["post_failed"] += 1
         stats.failed += 1
+        if handle is not None:
+            with _Tolerant(self.counters, "release"):
+                self.fabric.release_xfer_handle(handle)
         self._queue.append(TransferResult(cmd.request_id, cmd.transfer_id, False, why))
 
-    def _on_plane(self, result: PlaneResult) -> None:
-        """A result from the data plane, on the engine's thread."""
-        if isinstance(result, NotificationsDrained):
-            self.counters["notif_drain_failed"] += result.failed
-            for sender, messages in result.by_sender.items():
-                for payload in messages:
-                    self._receive(sender, payload)
-        elif isinstance(result, TransferEnded):
-            self._ended(result)
-        elif isinstance(result, NotifySent):
-            self._sent(result)
-        else:
-            self.counters["internal_error"] += 1
-            self.outputs.append(InternalError(result.detail, (), result.trace))
+    def _check(self, tid: int, flight: InFlight) -> bool:
+        try:
+            state = self.fabric.check_xfer_state(flight.handle)
+        except FabricError as exc:
+            if isinstance(exc, RemoteDisconnectedError):
+                self._lost(flight.peer)  # the cause first, then what it did to the transfer
+            self._finish(tid, flight, False, str(exc))
+            return True
+        if state == "PROC":
+            return False
+        self._finish(tid, flight, state == "DONE", state)
+        return True
 
-    def _ended(self, ended: TransferEnded) -> None:
-        flight = self.inflight.pop(ended.transfer_id, None)
-        if flight is None:  # cancelled after it ended, before its result was taken
-            return
-        for fault in ended.faults:
-            self.counters[f"{fault}_error"] += 1
-        if ended.lost:
-            self._lost(flight.peer)  # the cause first, then what it did to the transfer
+    def _finish(self, tid: int, flight: InFlight, ok: bool, why: str) -> None:
+        del self.inflight[tid]
         stats = self._stats.get(flight.request_id)
-        if not ended.posted:
-            self.counters["post_failed"] += 1
-        if ended.ok:
+        if ok:
             self.counters["bytes"] += flight.bytes
             if stats is not None:
                 stats.bytes += flight.bytes
-                stats.measured(ended.telemetry)
+                with _Tolerant(self.counters, "telemetry"):
+                    stats.measured(self.fabric.xfer_telemetry(flight.handle))
         elif stats is not None:
             stats.failed += 1
-        result = TransferResult(flight.request_id, ended.transfer_id, ended.ok, ended.why)
-        self._queue.append(result)
-
-    def _sent(self, sent: NotifySent) -> None:
-        if not sent.ok:
-            self.counters["notify_failed"] += 1
-            if sent.lost:
-                self._lost(sent.peer)
-        if sent.transfer_id is not None:
-            stats = self._stats.get(sent.request_id)
-            if stats is not None:
-                stats.failed += not sent.ok
-            result = TransferResult(sent.request_id, sent.transfer_id, sent.ok, "notify")
-            self._queue.append(result)
+        with _Tolerant(self.counters, "release"):
+            self.fabric.release_xfer_handle(flight.handle)
+        self._queue.append(TransferResult(flight.request_id, tid, ok, "" if ok else why))
 
     def _cancel(self, tid: int) -> None:
         flight = self.inflight.pop(tid, None)
         if flight is not None:
             self.counters["cancelled"] += 1
-            self.plane.cancel(tid)
+            with _Tolerant(self.counters, "release"):
+                self.fabric.release_xfer_handle(flight.handle)
 
     def _ask(self, cmd: AskPeer) -> None:
         query = StatusQuery(cmd.peer, self.agent, cmd.request_id, cmd.peer_request_id)
@@ -498,7 +465,7 @@ class Engine:
             rows = self._rows_of(cmd.peer, *cmd.checksum_blocks)
             if rows is not None:  # else another rank moves these bytes: nothing to check
                 payload = _with_checksum(payload, self.checksum(self.kv, rows))
-        self._send(cmd.peer, payload, "", None)
+        self._send(cmd.peer, payload)
 
     def _verify(self, cmd: VerifyBlocks) -> None:
         try:
@@ -522,8 +489,15 @@ class Engine:
             self._local_rows[peer] = table
         return table[route.rows(local, remote)[0]]
 
-    def _send(self, peer: str, payload: bytes, request_id: str, tid: int | None) -> None:
-        self.plane.send(peer, self._seals.seal(peer, payload), request_id, tid)
+    def _send(self, peer: str, payload: bytes) -> bool:
+        try:
+            self.fabric.send_notif(peer, self._seals.seal(peer, payload))
+        except FabricError as exc:
+            self.counters["notify_failed"] += 1
+            if isinstance(exc, RemoteDisconnectedError):
+                self._lost(peer)
+            return False
+        return True
 
     def _lost(self, peer: str) -> None:
         """Report a lost peer, unless its agent is no longer loaded (a stale transfer's error)."""
@@ -532,18 +506,17 @@ class Engine:
         else:
             self.counters["stale_peer_lost"] += 1
 
+    def _notifications(self) -> dict[str, list[bytes]]:
+        try:
+            return self.fabric.get_new_notifs()
+        except FabricError:
+            self.counters["notif_drain_failed"] += 1
+            return {}
+
     def _deregister(self) -> None:
         while self._memory:
             with _Tolerant(self.counters, "deregister"):
                 self.fabric.deregister_memory(self._memory.pop())
-
-
-def _unload(fabric: Fabric, route: Route, peer: str) -> None:
-    """Release a route's prepared lists and forget the peer's agent."""
-    for dlist in (route.local, route.remote):
-        if dlist is not None:
-            fabric.release_dlist_handle(dlist)
-    fabric.remove_remote_agent(peer)
 
 
 def _with_checksum(payload: bytes, checksum: int) -> bytes:

@@ -20,15 +20,14 @@ While its own transfers are in flight it polls every `poll_min_s` without backin
 moves a transfer's bytes (rendezvous, shared memory) only inside the poster's progress calls.
 On Linux the loop's thread asks for a timer slack of 1 us (the default 50 us would stretch every
 short poll interval several times over).
-
-With a data-plane thread (`Engine(data_plane="thread")`) that thread polls the fabric with the
-same pacing and wakes this one when it has results; this one then sleeps until a call, a wake
-or the next deadline.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -39,12 +38,13 @@ from typing import Any, Protocol, TypeVar
 from kvfsm.core import Event, InternalError, Shutdown, TransferStatus, short_trace
 from kvfsm.runtime._engine import CallerOutput, Engine
 from kvfsm.runtime._handshake import StatusQuery
-from kvfsm.runtime._pacing import Backoff, tighten_timer_slack
 
 __all__ = ["EngineLoop", "LoopCalls", "status_answerer"]
 
 T = TypeVar("T")
 _MAX_ERRORS_KEPT = 16
+_PR_SET_TIMERSLACK = 29
+_TIMER_SLACK_NS = 1000
 _HOT_S = 1e-3
 
 
@@ -149,12 +149,9 @@ class EngineLoop:
     # --- the loop's thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
-        backoff = Backoff(self._poll_min, self._poll_max, self.hot_s)
-        tighten_timer_slack()
-        plane = self.engine.plane
+        backoff = _Backoff(self._poll_min, self._poll_max, self.hot_s)
+        _tighten_timer_slack()
         try:
-            # A data-plane thread polls the fabric with this pacing, and wakes this one.
-            plane.start(self.wake, Backoff(self._poll_min, self._poll_max, self.hot_s), self._idle)
             while True:
                 with self._cond:
                     inbox, self._inbox = self._inbox, []
@@ -165,9 +162,6 @@ class EngineLoop:
                 active = self._poll()
                 if stopping and (not self.engine.busy or self.engine.clock() >= (drain_until or 0)):
                     return
-                if plane.threaded:  # the plane's thread polls the fabric and wakes this one
-                    self._sleep(self._timeout(self._idle))
-                    continue
                 # Its own transfers in flight count as activity: each ends within microseconds
                 # to milliseconds, and only its polls progress it.
                 activity = bool(active or inbox or self.engine.inflight)
@@ -274,3 +268,33 @@ def _default_hot_s(engine: Engine) -> float:
     """The loop's hot window for `engine`: 1 ms, or 0 for a P in pull mode."""
     side = engine.side
     return 0.0 if side.side == "P" and side.mode == "pull" else _HOT_S
+
+
+class _Backoff:
+    """The loop's poll interval: `poll_min_s` after activity and for `hot_s` after the last
+    one, then doubling up to `poll_max_s`."""
+
+    def __init__(self, poll_min_s: float, poll_max_s: float, hot_s: float) -> None:
+        self.poll_min, self.poll_max, self.hot = poll_min_s, poll_max_s, hot_s
+        self.delay = poll_min_s
+        self._last_activity: float | None = None
+
+    def next(self, activity: bool, now: float) -> float:
+        """The interval until the next poll, after a poll at `now` that found `activity`."""
+        if activity:
+            self._last_activity = now
+        last = self._last_activity
+        if last is not None and now - last <= self.hot:
+            self.delay = self.poll_min
+        else:
+            self.delay = min(2 * self.delay, self.poll_max)
+        return self.delay
+
+
+def _tighten_timer_slack() -> None:
+    """Ask Linux to wake this thread within 1 us of its timeouts (the default slack is 50 us);
+    elsewhere, or where prctl is unavailable, keep the default."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(_PR_SET_TIMERSLACK, _TIMER_SLACK_NS, 0, 0, 0)

@@ -183,9 +183,6 @@ class Ledger:
         """Transfers the fabric still moves (an engine may not have polled a finished one yet)."""
         for engine in self.cluster.live_engines():
             for flight in engine.inflight.values():
-                if flight.handle is None:  # on a data-plane thread (the simulator runs inline)
-                    yield engine, flight
-                    continue
                 try:
                     moving = engine.fabric.check_xfer_state(flight.handle) == "PROC"
                 except FabricError:

@@ -10,7 +10,6 @@ import msgspec
 
 from kvfsm.core import CoreConfig, Mode
 from kvfsm.fabric import UCX_ERROR_HANDLING_DEFAULT, UcxErrorHandling
-from kvfsm.runtime import DataPlaneKind
 from kvfsm.wire import SharedSecret
 
 __all__ = ["KvfsmSettings", "SettingsError"]
@@ -58,9 +57,6 @@ class KvfsmSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     poll_hot_us: float | None = None
     """For this long after the last activity the loop keeps polling every `poll_min_us`;
     unset: 1000, or 0 on a pull-mode P (docs/runtime.md)."""
-    data_plane: DataPlaneKind = "loop"
-    """Where the engine's NIXL calls run: "loop", the engine loop's thread, or "thread", a
-    data-plane thread of their own beside it (measured and decided in docs/performance.md)."""
     gil_switch_interval_us: float = 250.0
     """The worker process's GIL switch interval (Python's default is 5000): the engine loop
     thread shares the GIL with vLLM's busy model-runner thread, and every hop of a hand-off

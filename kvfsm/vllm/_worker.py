@@ -151,7 +151,6 @@ class WorkerSide:
                 time.monotonic,
                 secret=secret,
                 conformance=s.conformance,
-                data_plane=s.data_plane,
             )
         except BaseException:
             self._close_parts()

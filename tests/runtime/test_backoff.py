@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvfsm.runtime._pacing import Backoff as _Backoff
+from kvfsm.runtime._loop import _Backoff
 
 _MIN, _MAX = 20e-6, 1e-3
 

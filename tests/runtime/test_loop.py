@@ -34,10 +34,9 @@ from kvfsm.core import (
 from kvfsm.fabric import NixlFabric
 from kvfsm.layout import KvGeometry
 from kvfsm.lifecycle import LocalProtocolError
-from kvfsm.runtime import CallerOutput, DataPlaneKind, Engine, EngineLoop, KvCache, RequestTrace
+from kvfsm.runtime import CallerOutput, Engine, EngineLoop, KvCache, RequestTrace
 from kvfsm.sidechannel import HandshakeListener, LocalDirectory, ZmqDirectory, payload_of
 from kvfsm.sim import check_request, request_seed, write_request
-from tests.runtime.fabric_threads import ThreadRecorder
 
 pytestmark = pytest.mark.nixl
 
@@ -53,15 +52,7 @@ _ids = itertools.count()
 class _Rank:
     """An engine, its handshake listener and its loop; outputs land in a queue."""
 
-    def __init__(
-        self,
-        side: str,
-        name: str,
-        mode: Mode,
-        config: CoreConfig,
-        data_plane: DataPlaneKind = "loop",
-        **loop: Any,
-    ) -> None:
+    def __init__(self, side: str, name: str, mode: Mode, config: CoreConfig, **loop: Any) -> None:
         core = (Producer if side == "P" else Consumer)(Identity(name), mode, config)
         self.addresses: dict[str, tuple[str, int]] = {}
         self.directory = ZmqDirectory(
@@ -69,12 +60,7 @@ class _Rank:
         )
         fabric = NixlFabric(core.identity.agent)
         self.engine = Engine(
-            core,
-            fabric,
-            KvCache.allocate(_GEOMETRY),
-            self.directory,
-            time.monotonic,
-            data_plane=data_plane,
+            core, fabric, KvCache.allocate(_GEOMETRY), self.directory, time.monotonic
         )
         payload = payload_of(self.engine, compat_hash=_HASH, wire_version=_WIRE)
         self.listener = HandshakeListener({self.engine.agent: payload}.get)
@@ -100,14 +86,11 @@ class _Rank:
 
 @contextmanager
 def _pair(
-    mode: Mode,
-    d_loop: dict[str, Any] | None = None,
-    d_config: CoreConfig | None = None,
-    planes: tuple[DataPlaneKind, DataPlaneKind] = ("loop", "loop"),
+    mode: Mode, d_loop: dict[str, Any] | None = None, d_config: CoreConfig | None = None
 ) -> Iterator[tuple[_Rank, _Rank]]:
     n = next(_ids)
-    p = _Rank("P", f"P{n}", mode, CoreConfig(), planes[0])
-    d = _Rank("D", f"D{n}", mode, d_config or CoreConfig(), planes[1], **(d_loop or {}))
+    p = _Rank("P", f"P{n}", mode, CoreConfig())
+    d = _Rank("D", f"D{n}", mode, d_config or CoreConfig(), **(d_loop or {}))
     p.addresses[d.engine.agent] = ("127.0.0.1", d.listener.port)
     d.addresses[p.engine.agent] = ("127.0.0.1", p.listener.port)
     try:
@@ -118,61 +101,36 @@ def _pair(
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
-@pytest.mark.parametrize(
-    "planes", [("loop", "loop"), ("thread", "thread"), ("loop", "thread"), ("thread", "loop")]
-)
-def test_loops_move_verified_kv_submitted_from_another_thread(
-    mode: Mode, planes: tuple[DataPlaneKind, DataPlaneKind]
-) -> None:
-    """With the fabric calls on the loop's thread or on a data-plane thread, on either side."""
-    with _pair(mode, planes=planes) as (p, d):
-        _move_verified(p, d, 20)
+def test_loops_move_verified_kv_submitted_from_another_thread(mode: Mode) -> None:
+    with _pair(mode) as (p, d):
+        p_name = p.engine.side.identity.engine_id
+        for i in range(20):
+            blocks = np.array([2 * i, 2 * i + 1], dtype=np.int32)
+            write_request(p.engine.kv, request_seed(f"r{i}"), blocks, unit_tokens=4)
+            p.loop.submit(Admit(f"r{i}-0000000a", blocks))
+            p.loop.submit(PrefillFinished(f"r{i}-0000000a", blocks))
+            d.loop.submit(Admit(f"r{i}-0000000b", blocks[::-1].copy(), p_name, 1, f"r{i}-0000000a"))
+        got = d.until_finished(20)
+        p.until_finished(20)
+        for i in range(20):
+            mine = [o for o in got if getattr(o, "request_id", None) == f"r{i}-0000000b"]
+            assert [type(o).__name__ for o in mine] == [
+                "ReportReceived",
+                "Finished",
+                "RequestTrace",
+            ]
+            assert isinstance(mine[0], ReportReceived) and isinstance(mine[1], Finished)
+            assert mine[1].state == "done"
+            check = check_request(
+                d.engine.kv,
+                request_seed(f"r{i}"),
+                mine[0].blocks,
+                unit_tokens=4,
+                first_token=0,
+                tokens=8,
+            )
+            assert check.wrong == 0 and check.compared == 2 * d.engine.kv.block_bytes
         assert not p.loop.errors and not d.loop.errors
-        assert p.engine.counters["posted"] + d.engine.counters["posted"] == 20
-        assert not p.engine.inflight and not d.engine.inflight
-
-
-def test_with_a_data_plane_thread_every_nixl_call_runs_on_it() -> None:
-    with _pair("push", planes=("thread", "thread")) as (p, d):
-        recorders = {}
-        for rank in (p, d):
-            recorder = ThreadRecorder(rank.engine.fabric)
-            rank.engine.fabric = recorder
-            recorders[rank.engine.agent] = recorder
-        _move_verified(p, d, 5)
-        for agent, recorder in recorders.items():
-            assert recorder.threads == {f"kvfsm-plane-{agent}"}
-
-
-def _move_verified(p: _Rank, d: _Rank, n: int) -> None:
-    """Move `n` two-block requests from P to D, each checked byte for byte on arrival."""
-    p_name = p.engine.side.identity.engine_id
-    for i in range(n):
-        blocks = np.array([2 * i, 2 * i + 1], dtype=np.int32)
-        write_request(p.engine.kv, request_seed(f"r{i}"), blocks, unit_tokens=4)
-        p.loop.submit(Admit(f"r{i}-0000000a", blocks))
-        p.loop.submit(PrefillFinished(f"r{i}-0000000a", blocks))
-        d.loop.submit(Admit(f"r{i}-0000000b", blocks[::-1].copy(), p_name, 1, f"r{i}-0000000a"))
-    got = d.until_finished(n)
-    p.until_finished(n)
-    for i in range(n):
-        mine = [o for o in got if getattr(o, "request_id", None) == f"r{i}-0000000b"]
-        assert [type(o).__name__ for o in mine] == [
-            "ReportReceived",
-            "Finished",
-            "RequestTrace",
-        ]
-        assert isinstance(mine[0], ReportReceived) and isinstance(mine[1], Finished)
-        assert mine[1].state == "done"
-        check = check_request(
-            d.engine.kv,
-            request_seed(f"r{i}"),
-            mine[0].blocks,
-            unit_tokens=4,
-            first_token=0,
-            tokens=8,
-        )
-        assert check.wrong == 0 and check.compared == 2 * d.engine.kv.block_bytes
 
 
 def test_a_deadline_wakes_a_loop_that_would_not_poll_for_30_seconds() -> None:

@@ -105,13 +105,6 @@ def add_command(commands: Commands) -> None:
         help="vLLM's KV cache layout of both caches: BL* keep a block's pages of every layer"
         " together, and kvfsm moves such a block as one row (default: %(default)s)",
     )
-    bench.add_argument(
-        "--gil-switch-us",
-        type=float,
-        default=0.0,
-        help="the engine variants' GIL switch interval in µs, as the vLLM connector's"
-        " gil_switch_interval_us sets its worker's (default 0: Python's 5000)",
-    )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(run=_execute)
 
@@ -139,7 +132,6 @@ def _execute(args: argparse.Namespace) -> int:
             memory=args.memory,
             variants=(*args.variants, *(["verified"] if args.verify else [])),
             layout=args.layout,
-            gil_switch_us=args.gil_switch_us,
         )
     except ValueError as exc:
         print(f"kvfsm bench: {exc}", file=sys.stderr)

@@ -181,9 +181,7 @@ def _engine_print(c: Cluster, agent: str, n: Namer, snap: SideSnapshot | None) -
     )
 
 
-def _xfer_state(engine: Any, handle: int | None) -> str:
-    if handle is None:  # on a data-plane thread: not the checker's (its engines run inline)
-        return "unknown"
+def _xfer_state(engine: Any, handle: int) -> str:
     try:
         return str(engine.fabric.check_xfer_state(handle))
     except FabricError as exc:

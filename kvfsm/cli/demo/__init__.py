@@ -16,7 +16,6 @@ from kvfsm.cli.demo._report import DemoReport, why_not_done
 from kvfsm.cli.demo._sim import run_sim_demo
 from kvfsm.cli.render import demo_table, progress_bar
 from kvfsm.layout import MODELS
-from kvfsm.runtime import DATA_PLANES
 
 __all__ = ["DemoReport", "Driver", "Tally", "add_command", "run_nixl_demo", "run_sim_demo"]
 
@@ -78,13 +77,6 @@ def add_command(commands: Commands) -> None:
         " transfer (all) or one in 8 (sample); with --corrupt the byte is flipped after P's"
         " checksum, and D must fail those requests",
     )
-    demo.add_argument(
-        "--data-plane",
-        choices=DATA_PLANES,
-        default="loop",
-        help="real fabric: where each engine's NIXL calls run, on its loop's thread (loop) or"
-        " on a data-plane thread beside it (thread; docs/performance.md measures both)",
-    )
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     demo.set_defaults(run=_execute)
 
@@ -140,7 +132,6 @@ def _execute(args: argparse.Namespace) -> int:
                     progress=advance,
                     corrupt=args.corrupt,
                     verify=args.verify,
-                    data_plane=args.data_plane,
                 )
             else:
                 report = run_sim_demo(

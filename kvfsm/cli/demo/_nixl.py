@@ -24,7 +24,6 @@ from kvfsm.cli.demo._report import DemoReport, time_in_state, worst_state
 from kvfsm.core import CoreConfig, Mode, Verify
 from kvfsm.harness import RankProcesses, RankSpec, require_memory
 from kvfsm.layout import DTYPES, MAX_BLOCKS, MIN_BLOCKS, model_geometry
-from kvfsm.runtime import DataPlaneKind
 from kvfsm.sidechannel import compat_hash
 from kvfsm.wire import WIRE_VERSION
 
@@ -80,14 +79,13 @@ def run_nixl_demo(
     progress: Callable[[int], None] | None = None,
     corrupt: int = 0,
     verify: Verify = "off",
-    data_plane: DataPlaneKind = "loop",
 ) -> DemoReport:
     """Run `requests` requests of random length (up to `max_blocks` of the larger block size)
     through P (`p_tp` rank processes) and D (`d_tp`), each rank's KV cache holding `model`'s
     share within `memory_mib`. `corrupt`: flip one byte of P rank 0's KV in that many requests
     after the prefill (a negative control: the run must then fail its byte check); with
     `verify` on (`CoreConfig.verify`), after P's checksum, so that D's check fails those
-    requests. `data_plane`: where each rank's NIXL calls run (`Engine`)."""
+    requests."""
     cpu0 = time.process_time()
     geometry = {
         "P": model_geometry(model, tp_size=p_tp, block_size=p_block_size, memory_mib=memory_mib),
@@ -133,7 +131,6 @@ def run_nixl_demo(
                     hash_,
                     config=CoreConfig(verify=verify),
                     secret=secret,
-                    data_plane=data_plane,
                 )
             )
     tally = Tally()
