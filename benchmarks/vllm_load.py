@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from kvfsm.harness.vllm_pd import make_prompts, make_tiny_llama
+from kvfsm.harness.vllm_pd import core_env, make_prompts, make_tiny_llama
 from kvfsm.serving.proxy import Proxy
 from kvfsm.serving.serve import Served, complete, kvfsm_transfer_config
 from kvfsm.testing import free_port
@@ -60,11 +60,10 @@ def _engine_specs(
     """(side, `--kv-transfer-config`, environment) of P then D for connector `name`: each
     engine's worker on a core of its own unless the environment binds them."""
     specs = []
-    cpus = sorted(os.sched_getaffinity(0))
     for index, (role, side) in enumerate((("kv_producer", "p"), ("kv_consumer", "d"))):
         env: dict[str, str] = {}
         if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[index % len(cpus)])
+            env |= core_env(index)
         if name.startswith("nixl"):
             connector = "NixlConnector" if name == "nixl_pull" else "NixlPushConnector"
             config: dict[str, Any] = {"kv_connector": connector, "kv_role": role}

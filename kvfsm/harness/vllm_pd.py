@@ -54,6 +54,7 @@ __all__ = [
     "PdPair",
     "PdRequestResult",
     "PdResult",
+    "core_env",
     "make_prompts",
     "make_tiny_hybrid",
     "make_tiny_llama",
@@ -253,12 +254,13 @@ def _spec(
     )
 
 
-def _core_env(index: int) -> dict[str, str]:
+def core_env(index: int) -> dict[str, str]:
     """Pin an engine's worker to CPU ``index`` (modulo the CPU count).
 
     vLLM's default ("auto") binds every engine's worker to core 0 and keeps the last core for
     the front ends, so P's and D's forward passes (and the threads they start, NIXL's included)
-    would share one core. Overridden by ``VLLM_CPU_OMP_THREADS_BIND`` in ``env_p`` / ``env_d``.
+    would share one core. In `run_pd`, ``VLLM_CPU_OMP_THREADS_BIND`` in ``env_p`` / ``env_d``
+    overrides it.
     """
     cpus = sorted(os.sched_getaffinity(0))
     return {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[index % len(cpus)])}
@@ -311,8 +313,8 @@ class PdPair:
     ) -> None:
         """Start P and D concurrently and wait until both engines are ready."""
         self.log_dir = _log_dir(log_dir)
-        env_p = {**_core_env(0), **(env_p or {})}
-        env_d = {**_core_env(1), **(env_d or {})}
+        env_p = {**core_env(0), **(env_p or {})}
+        env_d = {**core_env(1), **(env_d or {})}
         specs = [
             _spec("P", Path(model_dir), self.log_dir, kv_transfer_config_p, env_p, "prefill"),
             _spec("D", Path(model_dir), self.log_dir, kv_transfer_config_d, env_d, "decode"),
